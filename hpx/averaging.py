@@ -1,0 +1,134 @@
+"""The converge step (HDET Eq. 3): weighted averages of replicas' tensors, in flat buckets.
+
+Replicas are averaged with per-replica weights known on the host at a sync
+(1 for a healthy replica, 0 for one whose loss or weights went non-finite), so a
+poisoned replica is left out by skipping it, never by multiplying NaN by zero.
+The result can be written to every replica (the converge step) or only to some
+(resetting poisoned replicas from the consensus without averaging the rest).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from hpx.backends.base import Collective
+
+__all__ = ["average_", "broadcast_", "float_state", "optimizer_state_tensors"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), each group cut at ``cap_bytes``."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, t in enumerate(tensors):
+        groups[(t.device, t.dtype)].append(i)
+    out = []
+    for idx in groups.values():
+        cur, size = [], 0
+        for i in idx:
+            nbytes = tensors[i].numel() * tensors[i].element_size()
+            if cur and size + nbytes > cap_bytes:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(i)
+            size += nbytes
+        if cur:
+            out.append(cur)
+    return out
+
+
+def _flat(ts: Iterable[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in ts])
+
+
+def average_(
+    replicas: Sequence[Sequence[torch.Tensor]],
+    weights: Sequence[float],
+    total_weight: float,
+    collective: Collective,
+    *,
+    write: Sequence[bool] | None = None,
+    bucket_cap_mb: float = 25.0,
+) -> None:
+    """Set tensors to the weighted mean over every replica of every rank.
+
+    Args:
+        replicas: ``replicas[l]`` is local replica ``l``'s list of tensors; the
+            lists match in length, shapes and dtypes.
+        weights: local replica weights (host floats); weight 0 leaves a replica
+            out of the mean.
+        total_weight: the sum of the weights over *all* ranks' replicas.
+        collective: sums the partial means across ranks (identity in process).
+        write: which local replicas receive the mean (default: all).
+        bucket_cap_mb: largest flat bucket, in MB of the tensors' own dtype.
+
+    Low-precision tensors (fp16/bf16) are summed in float32.
+    """
+    if not replicas or not replicas[0]:
+        return
+    if total_weight <= 0:
+        raise ValueError(f"total_weight must be > 0 (got {total_weight})")
+    write = [True] * len(replicas) if write is None else list(write)
+    first = replicas[0]
+    plan = _buckets(first, int(bucket_cap_mb * 2**20))
+    sums = []
+    for idx in plan:
+        dtype = first[idx[0]].dtype
+        acc_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
+        s = torch.zeros(sum(first[i].numel() for i in idx), dtype=acc_dtype, device=first[idx[0]].device)
+        for rep, w in zip(replicas, weights):
+            if w != 0:
+                s.add_(_flat((rep[i] for i in idx), acc_dtype), alpha=w)
+        sums.append(s)
+    collective.all_reduce_sum_(sums)
+    for idx, s in zip(plan, sums):
+        s.div_(total_weight)
+        parts = s.split([first[i].numel() for i in idx])
+        for rep, do in zip(replicas, write):
+            if do:
+                targets = [rep[i] for i in idx]
+                sources = [p.view(t.shape).to(t.dtype) for p, t in zip(parts, targets)]
+                with torch.no_grad():
+                    torch._foreach_copy_(targets, sources)
+
+
+def broadcast_(tensors: Sequence[torch.Tensor], collective: Collective, src: int = 0,
+               bucket_cap_mb: float = 25.0) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s, in flat buckets."""
+    if collective.world_size == 1 or not tensors:
+        return
+    for idx in _buckets(tensors, int(bucket_cap_mb * 2**20)):
+        flat = _flat((tensors[i] for i in idx), tensors[idx[0]].dtype)
+        collective.broadcast_(flat, src)
+        with torch.no_grad():
+            for i, p in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+                tensors[i].copy_(p.view(tensors[i].shape))
+
+
+def float_state(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A model's parameters and floating-point buffers, in a fixed order.
+
+    Integer buffers (``num_batches_tracked``) are left out: they are equal on
+    every replica anyway, and averaging integers is not defined.
+    """
+    out = [p for p in module.parameters()]
+    out += [b for b in module.buffers() if b.is_floating_point()]
+    return out
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's floating-point state tensors (momenta, Adam moments) in a fixed order.
+
+    Scalar step counters are left out: they are equal across replicas.
+    """
+    out = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for _, v in sorted(optimizer.state.get(p, {}).items()):
+                if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0:
+                    out.append(v)
+    return out

@@ -1,0 +1,18 @@
+"""Backends: the Collective protocol and its implementations.
+
+``TorchDistributed`` lives in :mod:`hpx.backends.dist`, the one module that
+imports torch.distributed; it is imported only when asked for.
+"""
+
+from hpx.backends.base import Collective
+from hpx.backends.local import InProcess
+
+__all__ = ["Collective", "InProcess", "TorchDistributed"]
+
+
+def __getattr__(name: str):
+    if name == "TorchDistributed":
+        from hpx.backends.dist import TorchDistributed
+
+        return TorchDistributed
+    raise AttributeError(f"module 'hpx.backends' has no attribute {name!r}")

@@ -1,0 +1,221 @@
+"""The zero-order hypergradient controller (HDET section 3.4), as pure tensor math.
+
+Nothing here knows about models, optimizers or processes: values and losses go in,
+new bases come out. Every rank runs it on the same inputs and gets the same
+outputs, so decisions agree without further communication.
+
+For knob ``k`` with replica values ``x_kr`` and replica losses ``L_r``, the
+update works in a coordinate ``z = log x`` (``space="log"``, the default for
+multiplicative knobs: scale-free, keeps the base positive) or ``z = x``
+(``space="linear"``, the paper's rule and the default for additive knobs)::
+
+    w_r  = softmax_r((Lbar - L_r) / sigma)        # Eq. 4; non-finite L_r get w_r = 0
+    D_k  = sum_r w_r z_kr - mean_r z_kr            # Eqs. 5-6: zero when losses are equal
+    v_k  = beta v_k + (1 - beta) D_k               # Eq. 7, momentum
+    z_k <- decay(z_k, gamma) + clip(lambda v_k, +-max_r |z_kr - mean z_k|)
+
+``decay`` is ``z (1 - gamma)`` in linear space and ``z + log(1 - gamma)`` in
+log space; both multiply the base by ``1 - gamma`` (the paper's decay, positive
+``gamma`` only, see HDET.md on the sign error of its Eq. 8). The clip keeps one
+sync's move within the range the replicas explored, so an update is bounded by
+the spread even when momentum carries an old, larger velocity.
+
+``sigma`` is the loss temperature. A fixed value (the paper's 0.1, its code's
+0.002) does not transfer across losses or run lengths: if replicas' losses
+differ by much more than sigma, the softmax puts all weight on one replica and
+the controller follows batch noise. The default ``temperature="auto"`` sets
+``sigma = temperature_scale * std_r(L_r)``, which makes the weights invariant to
+the loss's shift and scale: they depend only on how replicas rank and how far
+apart they are relative to their spread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from hpx.errors import ConfigError, NonFiniteError
+
+__all__ = ["Controller", "ControllerStep", "softmax_weights"]
+
+Space = Literal["auto", "log", "linear"]
+
+_LOGIT_CAP = 1e300  # keeps softmax finite when a loss gap over sigma overflows
+
+
+def softmax_weights(
+    losses: torch.Tensor, temperature: float | Literal["auto"] = "auto", scale: float = 1.0
+) -> tuple[torch.Tensor, float]:
+    """Eq. 4: ``w_r = softmax((Lbar - L_r) / sigma)`` over the finite losses.
+
+    Non-finite losses get weight 0 and take no part in ``Lbar`` or ``sigma``.
+    Returns ``(w, sigma)``; ``w`` is float64, sums to 1. When every finite loss
+    is equal (or ``sigma`` is 0) the weights are uniform over finite replicas.
+    Raises :class:`NonFiniteError` if no loss is finite.
+    """
+    losses = losses.detach().to("cpu", torch.float64).reshape(-1)
+    finite = torch.isfinite(losses)
+    n_ok = int(finite.sum())
+    if n_ok == 0:
+        raise NonFiniteError(
+            f"all {losses.numel()} replicas have non-finite losses ({losses.tolist()}); "
+            "nothing is left to average or compare. Lower the learning rate or its spread, "
+            "or check the data for NaN/inf"
+        )
+    ok = losses[finite]
+    if temperature == "auto":
+        sigma = scale * float(ok.std(unbiased=False)) if n_ok > 1 else 0.0
+    else:
+        sigma = float(temperature)
+    w = torch.zeros_like(losses)
+    if sigma > 0 and math.isfinite(sigma):
+        logits = ((ok.mean() - ok) / sigma).clamp(-_LOGIT_CAP, _LOGIT_CAP)
+        w[finite] = torch.softmax(logits, dim=0)
+    else:
+        w[finite] = 1.0 / n_ok
+    return w, sigma
+
+
+@dataclass(frozen=True)
+class ControllerStep:
+    """What one controller update saw and did (all float64, on CPU).
+
+    Attributes:
+        bases: the new bases ``b_k``, shape ``[K]``.
+        weights: ``w_r``, shape ``[N]``.
+        direction: ``D_k``, shape ``[K]`` (in each knob's controller space).
+        velocity: ``v_k`` after the update, shape ``[K]``.
+        sigma: the temperature used.
+    """
+
+    bases: torch.Tensor
+    weights: torch.Tensor
+    direction: torch.Tensor
+    velocity: torch.Tensor
+    sigma: float
+
+
+class Controller:
+    """HDET's auto-update of every knob's base from the replicas' losses.
+
+    Args:
+        meta_lr: ``lambda``, the meta step (paper 0.5).
+        momentum: ``beta`` (paper 0.9).
+        temperature: ``sigma``, a positive float (the paper's fixed rule) or
+            ``"auto"`` (``temperature_scale`` times the std of the losses).
+        temperature_scale: multiplies the automatic sigma; smaller is greedier.
+        space: ``"auto"`` (log for multiplicative knobs, linear for additive),
+            ``"log"`` or ``"linear"`` for all knobs (``"linear"`` is the paper's).
+    """
+
+    def __init__(
+        self,
+        *,
+        meta_lr: float = 0.5,
+        momentum: float = 0.9,
+        temperature: float | Literal["auto"] = "auto",
+        temperature_scale: float = 1.0,
+        space: Space = "auto",
+    ) -> None:
+        problems = []
+        if not _finite(meta_lr) or meta_lr < 0:
+            problems.append(f"meta_lr must be a finite number >= 0 (got {meta_lr!r})")
+        if not _finite(momentum) or not 0 <= momentum < 1:
+            problems.append(f"momentum must be in [0, 1) (got {momentum!r})")
+        if temperature != "auto" and (not _finite(temperature) or temperature <= 0):
+            problems.append(f"temperature must be 'auto' or a number > 0 (got {temperature!r})")
+        if not _finite(temperature_scale) or temperature_scale <= 0:
+            problems.append(f"temperature_scale must be a number > 0 (got {temperature_scale!r})")
+        if space not in ("auto", "log", "linear"):
+            problems.append(f"space must be 'auto', 'log' or 'linear' (got {space!r})")
+        ConfigError.check(problems)
+        self.meta_lr = float(meta_lr)
+        self.momentum = float(momentum)
+        self.temperature = temperature
+        self.temperature_scale = float(temperature_scale)
+        self.space = space
+        self.velocity: torch.Tensor | None = None
+
+    def log_mask(self, kinds: Sequence[str]) -> torch.Tensor:
+        """Which knobs this controller moves in log space, given their kinds."""
+        if self.space == "log":
+            bad = [i for i, k in enumerate(kinds) if k != "mul"]
+            if bad:
+                raise ConfigError(
+                    [f"space='log' needs multiplicative knobs; knob(s) at {bad} are additive"]
+                )
+        return torch.tensor(
+            [self.space == "log" or (self.space == "auto" and k == "mul") for k in kinds],
+            dtype=torch.bool,
+        )
+
+    def update(
+        self,
+        values: torch.Tensor,
+        losses: torch.Tensor,
+        bases: torch.Tensor,
+        log_space: torch.Tensor,
+        decay: torch.Tensor | None = None,
+    ) -> ControllerStep:
+        """One sync's update (Eqs. 4-7).
+
+        Args:
+            values: ``[K, N]``, knob ``k``'s value on replica ``r`` (before any
+                schedule factor common to all replicas).
+            losses: ``[N]``, lower is better; non-finite entries get zero weight.
+            bases: ``[K]``, the current bases.
+            log_space: ``[K]`` bool, from :meth:`log_mask`.
+            decay: ``[K]`` ``gamma`` per knob in ``[0, 1)``; default 0.
+
+        Mutates only the velocity. Returns the new bases and diagnostics.
+        """
+        values = values.detach().to("cpu", torch.float64)
+        bases = bases.detach().to("cpu", torch.float64)
+        k, n = values.shape
+        if losses.numel() != n or bases.numel() != k or log_space.numel() != k:
+            raise ValueError(
+                f"shapes disagree: values {tuple(values.shape)}, losses {tuple(losses.shape)}, "
+                f"bases {tuple(bases.shape)}, log_space {tuple(log_space.shape)}"
+            )
+        if log_space.any() and ((values[log_space] <= 0).any() or (bases[log_space] <= 0).any()):
+            raise ValueError("log-space knobs need positive values and bases")
+        gamma = torch.zeros(k, dtype=torch.float64) if decay is None else decay.to(torch.float64)
+
+        w, sigma = softmax_weights(losses, self.temperature, self.temperature_scale)
+        finite = torch.isfinite(losses.detach().to("cpu", torch.float64).reshape(-1))
+        z = torch.where(log_space[:, None], values.clamp_min(1e-300).log(), values)
+        z_ok = z[:, finite]
+        mean = z_ok.mean(dim=1)
+        direction = z_ok @ w[finite] - mean
+        if self.velocity is None or self.velocity.numel() != k:
+            self.velocity = torch.zeros(k, dtype=torch.float64)
+        self.velocity = self.momentum * self.velocity + (1 - self.momentum) * direction
+        reach = (z_ok - mean[:, None]).abs().amax(dim=1)
+        step = (self.meta_lr * self.velocity).clamp(-reach, reach)
+
+        zb = torch.where(log_space, bases.log(), bases)
+        zb = torch.where(log_space, zb + torch.log1p(-gamma), zb * (1 - gamma)) + step
+        new = torch.where(log_space, zb.exp(), zb)
+        return ControllerStep(new, w, direction, self.velocity.clone(), sigma)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"velocity": None if self.velocity is None else self.velocity.clone()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        v = state.get("velocity")
+        self.velocity = None if v is None else v.detach().to("cpu", torch.float64).clone()
+
+    def __repr__(self) -> str:
+        return (
+            f"Controller(meta_lr={self.meta_lr}, momentum={self.momentum}, "
+            f"temperature={self.temperature!r}, temperature_scale={self.temperature_scale}, "
+            f"space={self.space!r})"
+        )
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

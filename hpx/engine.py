@@ -1,0 +1,566 @@
+"""The engine: fan-out and converge over any Collective (HDET sections 3.2-3.5).
+
+Each process holds ``L`` local replicas (model + optimizer); ``W`` processes give
+``N = W * L`` replicas. The in-process default is ``W = 1, L = N``; under
+torch.distributed it is usually ``L = 1`` per rank. The engine is the same
+either way: it never imports a concrete distributed backend.
+
+Per step (the hot path), the engine only writes knob values that changed,
+accumulates each replica's loss on its device and, in shared-gradient mode,
+averages gradients in a few flat buckets. It reads nothing back to the host.
+Every ``T = sync_every`` steps it syncs: scores the replicas (one host read),
+averages their weights, lets the controller move the bases, draws fresh
+permutations and writes the new values.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Union
+
+import torch
+
+from hpx.averaging import average_, broadcast_, float_state, optimizer_state_tensors
+from hpx.backends.base import Collective
+from hpx.backends.local import InProcess
+from hpx.config import EngineConfig
+from hpx.controller import Controller
+from hpx.errors import ConfigError, NonFiniteError
+from hpx.knobs.base import Knob
+from hpx.registry import Knobs
+from hpx.replica import Replica
+from hpx.signals import IntervalLoss, LossFn, Signal, SyncContext
+
+__all__ = ["Engine", "OptimizerFactory", "SyncRecord"]
+
+log = logging.getLogger("hpx")
+
+OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
+"""``factory(model) -> optimizer`` built over *that* model's parameters."""
+
+
+@dataclass
+class SyncRecord:
+    """What happened at one sync (one entry of :attr:`Engine.history`).
+
+    Attributes:
+        step: optimizer steps taken when the sync ran.
+        bases: every knob's base after the sync.
+        values: every knob's values on the ``N`` replicas during the interval
+            that ended (before any schedule factor).
+        scores: each replica's score (lower is better); ``nan`` where non-finite.
+        nonfinite: global indices of replicas left out and reset.
+        weights: the controller's ``w_r``, or ``None`` if it did not run.
+        direction: the controller's ``D_k`` per knob, or ``None``.
+        sigma: the temperature used, or ``None``.
+    """
+
+    step: int
+    bases: dict[str, float]
+    values: dict[str, list[float]]
+    scores: list[float]
+    nonfinite: list[int] = field(default_factory=list)
+    weights: list[float] | None = None
+    direction: dict[str, float] | None = None
+    sigma: float | None = None
+
+
+class Engine:
+    """HDET over ``N`` replicas: fan-out, converge every ``T`` steps, auto-update knobs.
+
+    Args:
+        model: the model. In one process it becomes replica 0 and is deep-copied
+            for the others; under torch.distributed it is this rank's replica
+            (it may be wrapped in DistributedDataParallel in shared mode).
+        optimizer: ``factory(model) -> Optimizer``, called once per local
+            replica with that replica's model. With one local replica an
+            optimizer instance is accepted too.
+        knobs: a :class:`~hpx.Knobs` registry or a sequence of knobs.
+        backend: the :class:`~hpx.backends.Collective`; default in-process.
+        signal: what replicas are compared on (default :class:`~hpx.IntervalLoss`).
+        config: an :class:`~hpx.EngineConfig`, or give its fields as keywords.
+
+    Example::
+
+        engine = hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                            [hpx.LearningRate(spread=0.25)], replicas=4, sync_every=20)
+        for x, y in loader:
+            engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Union[OptimizerFactory, torch.optim.Optimizer],
+        knobs: Union[Knobs, Sequence[Knob]] = (),
+        *,
+        backend: Collective | None = None,
+        signal: Signal | None = None,
+        config: EngineConfig | None = None,
+        **settings: Any,
+    ) -> None:
+        if config is not None and settings:
+            raise ConfigError(["give either config=EngineConfig(...) or settings as keywords, not both"])
+        self.config = config if config is not None else EngineConfig.build(**settings)
+        cfg = self.config
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError([f"model must be a torch.nn.Module (got {type(model).__name__})"])
+        self.collective: Collective = backend if backend is not None else InProcess()
+        self.knobs = knobs if isinstance(knobs, Knobs) else Knobs(*knobs)
+        if self.knobs.seed is None:
+            self.knobs.reseed(cfg.seed)
+        self.signal: Signal = signal if signal is not None else IntervalLoss()
+        if not hasattr(self.signal, "measure"):
+            raise ConfigError([f"signal must have a measure(ctx) method (got {self.signal!r})"])
+        self.controller = Controller(
+            meta_lr=cfg.meta_lr, momentum=cfg.momentum, temperature=cfg.temperature,
+            temperature_scale=cfg.temperature_scale, space=cfg.space,
+        )
+
+        world, rank = self.collective.world_size, self.collective.rank
+        local = cfg.replicas if cfg.replicas is not None else (4 if world == 1 else 1)
+        self.n_local, self.n_replicas = local, local * world
+        self._first = rank * local  # global index of local replica 0
+        self._ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if self._ddp and (local > 1 or cfg.mode == "independent"):
+            raise ConfigError(
+                ["a DistributedDataParallel model needs one replica per rank and mode='shared' "
+                 "(DDP all-reduces gradients every step); for independent replicas pass the bare model"]
+            )
+        self.replicas = self._build_replicas(model, optimizer, local)
+        self._k_log = self.controller.log_mask([k.kind for k in self.knobs])
+
+        # Start every replica from rank 0's weights, then (optionally) warm noise.
+        states = [float_state(r.model) for r in self.replicas]
+        broadcast_(states[0], self.collective, 0, cfg.bucket_cap_mb)
+        for s in states[1:]:
+            with torch.no_grad():
+                torch._foreach_copy_(s, states[0])
+        if cfg.warm_init:
+            for r in self.replicas:
+                _warm_noise_(r.model, cfg.warm_init, _mix(cfg.seed, r.index))
+
+        self._bind_knobs()
+        self._grads = _GradBuckets(self.replicas) if (
+            cfg.mode == "shared" and (local > 1 or (world > 1 and not self._ddp))
+        ) else None
+        dev = next((p.device for p in self.replicas[0].model.parameters()), torch.device("cpu"))
+        self._acc = torch.zeros(local, device=dev)
+        self._acc_n = [0] * local
+        self.step_count = 0
+        self.history: list[SyncRecord] = []
+        self._draw()
+        self._write(force=True)
+
+    # --- construction --------------------------------------------------------------
+
+    def _build_replicas(self, model, optimizer, local: int) -> list[Replica]:
+        is_opt = isinstance(optimizer, torch.optim.Optimizer)
+        if not is_opt and not callable(optimizer):
+            raise ConfigError([f"optimizer must be a factory model -> Optimizer (got {optimizer!r})"])
+        if is_opt and local > 1:
+            raise ConfigError(
+                [f"{local} replicas in one process need one optimizer each: pass a factory, e.g. "
+                 "optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)"]
+            )
+        models = [model] + [copy.deepcopy(model) for _ in range(local - 1)]
+        reps = []
+        for i, m in enumerate(models):
+            opt = optimizer if is_opt else optimizer(m)
+            if not isinstance(opt, torch.optim.Optimizer):
+                raise ConfigError([f"the optimizer factory returned {type(opt).__name__}, not an Optimizer"])
+            own = {id(p) for p in m.parameters()}
+            foreign = sum(id(p) not in own for g in opt.param_groups for p in g["params"])
+            if foreign:
+                raise ConfigError(
+                    [f"replica {i}'s optimizer holds {foreign} parameter(s) that are not its model's: "
+                     "build the optimizer from the model the factory receives (lambda m: "
+                     "SGD(m.parameters(), ...)), not from a model captured outside it"]
+                )
+            reps.append(Replica(self._first + i, m, opt))
+        return reps
+
+    def _bind_knobs(self) -> None:
+        problems: list[str] = []
+        self._setters: list[list[Callable[[float], None] | None]] = []
+        for k in self.knobs:
+            try:
+                k.resolve_base(self.replicas[0])
+                self._setters.append([k.bind(r) for r in self.replicas])
+            except ConfigError as e:
+                problems.extend(e.problems)
+        ConfigError.check(problems)
+        self._scheduled = [i for i, k in enumerate(self.knobs) if k.scheduled]
+        self._written: list[list[float | None]] = [[None] * self.n_local for _ in self.knobs]
+
+    # --- values ----------------------------------------------------------------------
+
+    def _draw(self) -> None:
+        """New permutations (Eq. 9) and the values they give, ``[K, N]`` float64."""
+        self._slots = self.knobs.draw_slots(self.n_replicas)
+        rows = [k.values(self._slots[i]) for i, k in enumerate(self.knobs)]
+        self._values = torch.stack(rows) if rows else torch.empty(0, self.n_replicas, dtype=torch.float64)
+        local = self._values[:, self._first : self._first + self.n_local]
+        self._local_values: list[list[float]] = local.tolist()
+
+    def _write(self, force: bool = False) -> None:
+        """Write each knob's value into each local replica where it changed."""
+        which = range(len(self.knobs)) if force else self._scheduled
+        knobs = self.knobs._knobs
+        for i in which:
+            k = knobs[i]
+            scale = k.scale(self.step_count)
+            written, setters, vals = self._written[i], self._setters[i], self._local_values[i]
+            for l, rep in enumerate(self.replicas):
+                v = vals[l] * scale
+                if v != written[l]:
+                    written[l] = v
+                    rep._values[k.name] = v
+                    if setters[l] is not None:
+                        setters[l](v)
+
+    # --- the training step ------------------------------------------------------------
+
+    def step(
+        self, loss_fn: LossFn, batch: Any = None, *, batches: Sequence[Any] | None = None
+    ) -> torch.Tensor:
+        """One optimizer step of every local replica.
+
+        ``loss_fn(replica, batch)`` returns the replica's scalar loss. ``batch`` is
+        split along its first dimension among the local replicas (tensors inside
+        tuples, lists and dicts are split alike; other leaves are shared), or give
+        ``batches``, one per local replica.
+
+        Returns the ``[L]`` detached losses, on device (reading them is a sync:
+        do it only when you log).
+        """
+        if batches is not None:
+            if batch is not None:
+                raise ConfigError(["give batch or batches, not both"])
+            if len(batches) != self.n_local:
+                raise ConfigError([f"batches has {len(batches)} entries for {self.n_local} local replicas"])
+            parts = list(batches)
+        else:
+            parts = _split(batch, self.n_local)
+        if self._grads is not None:
+            self._grads.zero_()
+        else:
+            for r in self.replicas:
+                r.optimizer.zero_grad(set_to_none=True)
+        losses = []
+        for rep, part in zip(self.replicas, parts):
+            loss = loss_fn(rep, part)
+            if not torch.is_tensor(loss) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
+                                f"of shape {getattr(loss, 'shape', None)})")
+            loss.backward()
+            losses.append(loss.detach().reshape(()))
+        lt = torch.stack(losses).to(self._acc.dtype)
+        self._acc.add_(lt)
+        for l in range(self.n_local):
+            self._acc_n[l] += 1
+        if self._grads is not None:
+            self._grads.average_(lt, self.collective)
+        for r in self.replicas:
+            r.optimizer.step()
+        self.advance(batch=batch if batches is None else batches, loss_fn=loss_fn, _recorded=True)
+        return lt
+
+    def record(self, loss: torch.Tensor, replica: int = 0) -> None:
+        """Add a local replica's loss to its interval mean (stays on device).
+
+        For training loops that do their own backward and optimizer step; call
+        :meth:`advance` after the optimizer step.
+        """
+        self._acc[replica].add_(loss.detach().reshape(()).to(self._acc.dtype))
+        self._acc_n[replica] += 1
+
+    def advance(self, *, batch: Any = None, loss_fn: LossFn | None = None, _recorded: bool = False) -> None:
+        """Count one optimizer step; sync if ``T`` steps have passed; write the next values.
+
+        Call it after every optimizer step when not using :meth:`step`. ``batch``
+        and ``loss_fn`` are handed to signals that score replicas on a batch.
+        """
+        self.step_count += 1
+        if self.step_count % self.config.sync_every == 0:
+            self._sync(batch, loss_fn)
+        else:
+            self._write()
+
+    # --- the sync ----------------------------------------------------------------------
+
+    def _gather_scores(self, batch: Any, loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = torch.tensor(self._acc_n, dtype=self._acc.dtype, device=self._acc.device)
+        interval = self._acc / counts.clamp_min(1)
+        if isinstance(self.signal, IntervalLoss) and 0 in self._acc_n and self._controls_now():
+            raise ConfigError(
+                [f"no loss recorded for local replica {self._acc_n.index(0)} since the last sync: use "
+                 "Engine.step, or call Engine.record(loss) every step (or pass the loss to the "
+                 "scheduler's step(loss))"]
+            )
+        ctx = SyncContext(self.replicas, interval, batch, loss_fn, self.collective, self.step_count)
+        scores = self.signal.measure(ctx).detach().reshape(-1).to(self._acc.device, torch.float32)
+        if scores.numel() != self.n_local:
+            raise ValueError(f"signal returned {scores.numel()} scores for {self.n_local} local replicas")
+        both = self.collective.all_gather(torch.stack([scores, self._health().to(scores)]))  # [W, 2, L]
+        both = both.to("cpu", torch.float64)  # the one host read per sync
+        return both[:, 0, :].reshape(-1), both[:, 1, :].reshape(-1)
+
+    def _converge(self, finite: torch.Tensor, *, average: bool) -> None:
+        cfg = self.config
+        local_ok = finite[self._first : self._first + self.n_local].tolist()
+        bad_local = [not ok for ok in local_ok]
+        write = [True] * self.n_local if average else bad_local
+        if not any(write) and not (~finite).any():
+            return
+        w = [1.0 if ok else 0.0 for ok in local_ok]
+        total = float(finite.sum())
+        average_([float_state(r.model) for r in self.replicas], w, total, self.collective,
+                 write=write, bucket_cap_mb=cfg.bucket_cap_mb)
+        opt_states = [optimizer_state_tensors(r.optimizer) for r in self.replicas]
+        if opt_states[0] and (cfg.average_optimizer_state or (~finite).any()):
+            write_opt = [True] * self.n_local if cfg.average_optimizer_state else bad_local
+            average_(opt_states, w, total, self.collective, write=write_opt,
+                     bucket_cap_mb=cfg.bucket_cap_mb)
+
+    def _sync(self, batch: Any, loss_fn: LossFn | None) -> None:
+        cfg = self.config
+        scores, health = self._gather_scores(batch, loss_fn)
+        finite = torch.isfinite(scores) & torch.isfinite(health)
+        if not finite.any():
+            raise NonFiniteError(
+                f"at step {self.step_count} all {self.n_replicas} replicas are non-finite "
+                f"(scores {scores.tolist()}); nothing is left to reset them from. Lower the "
+                "learning rate or its spread, or check the data for NaN/inf"
+            )
+        bad = (~finite).nonzero().reshape(-1).tolist()
+        if bad:
+            log.warning("step %d: replica(s) %s non-finite; left out and reset from the mean of the rest",
+                        self.step_count, bad)
+        self._converge(finite, average=cfg.average)
+
+        names = self.knobs.names
+        rec = SyncRecord(
+            step=self.step_count, bases={}, values={n: self._values[i].tolist() for i, n in enumerate(names)},
+            scores=torch.where(finite, scores, math.nan).tolist(), nonfinite=bad,
+        )
+        if self._controls_now():
+            bases = torch.tensor([k.base for k in self.knobs], dtype=torch.float64)
+            decay = torch.tensor([cfg.decay if k.kind == "mul" else 0.0 for k in self.knobs],
+                                 dtype=torch.float64)
+            out = self.controller.update(self._values, torch.where(finite, scores, math.nan),
+                                         bases, self._k_log, decay)
+            for k, b in zip(self.knobs, out.bases.tolist()):
+                if k.explore:
+                    k.base = k.clamp(b)
+            rec.weights, rec.sigma = out.weights.tolist(), out.sigma
+            rec.direction = dict(zip(names, out.direction.tolist()))
+        rec.bases = {k.name: k.base for k in self.knobs}
+        self.history.append(rec)
+        if log.isEnabledFor(logging.INFO):
+            log.info("sync at step %d: %s", self.step_count,
+                     ", ".join(f"{n}={b:.4g}" for n, b in rec.bases.items()))
+
+        self._acc.zero_()
+        self._acc_n = [0] * self.n_local
+        self._draw()
+        self._write(force=True)
+        if cfg.check_consistency and self.collective.world_size > 1:
+            check = getattr(self.collective, "check_same", None)
+            if check is not None:
+                state = torch.cat([torch.tensor([k.base for k in self.knobs], dtype=torch.float64),
+                                   self._slots.reshape(-1).to(torch.float64)])
+                check(state, f"knob bases and permutations after the sync at step {self.step_count}")
+
+    def _controls_now(self) -> bool:
+        """Whether the controller moves the bases at a sync at the current step."""
+        cfg = self.config
+        return cfg.controller and self.step_count >= cfg.warmup and any(k.explore for k in self.knobs)
+
+    def converge(self) -> torch.nn.Module:
+        """Average every replica's weights now, leaving out non-finite ones, and
+        return local replica 0's model (the consensus). Use it at the end of
+        training; under torch.distributed every rank must call it."""
+        health = self.collective.all_gather(self._health()).to("cpu", torch.float64).reshape(-1)
+        finite = torch.isfinite(health)
+        if not finite.any():
+            raise NonFiniteError(f"all {self.n_replicas} replicas have non-finite weights")
+        self._converge(finite, average=True)
+        return self.replicas[0].model
+
+    def _health(self) -> torch.Tensor:
+        """``[L]``: finite iff the local replica's weights and buffers all are."""
+        return torch.stack([_weights_norm(r.model) for r in self.replicas]).to(self._acc)
+
+    # --- inspection ----------------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """Local replica 0's model (right after a sync, the consensus of all replicas)."""
+        return self.replicas[0].model
+
+    @property
+    def bases(self) -> dict[str, float]:
+        """Every knob's current base ``b``."""
+        return {k.name: k.base for k in self.knobs}
+
+    def values(self, name: str) -> list[float]:
+        """Knob ``name``'s current value on each local replica (schedule applied)."""
+        return [r.value(name) for r in self.replicas]
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the same trajectory: the local replicas'
+        models and optimizers, knobs, permutation stream, controller, step count,
+        loss accumulators and history."""
+        return {
+            "format": 1,
+            "n_replicas": self.n_replicas,
+            "first": self._first,
+            "step": self.step_count,
+            "knobs": self.knobs.state_dict(),
+            "controller": self.controller.state_dict(),
+            "slots": self._slots.clone(),
+            "acc": self._acc.detach().cpu().clone(),
+            "acc_n": list(self._acc_n),
+            "history": [asdict(r) for r in self.history],
+            "replicas": [{"model": r.model.state_dict(), "optimizer": r.optimizer.state_dict()}
+                         for r in self.replicas],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` into an engine built with the same settings."""
+        problems = []
+        if state.get("format") != 1:
+            problems.append(f"unknown checkpoint format {state.get('format')!r} (expected 1)")
+        if state.get("n_replicas") != self.n_replicas:
+            problems.append(
+                f"checkpoint has {state.get('n_replicas')} replicas, this engine {self.n_replicas}"
+            )
+        if state.get("first") != self._first or len(state.get("replicas", [])) != self.n_local:
+            problems.append("checkpoint was saved by a different rank layout: load each rank's own file")
+        ConfigError.check(problems)
+        for r, s in zip(self.replicas, state["replicas"]):
+            r.model.load_state_dict(s["model"])
+            r.optimizer.load_state_dict(s["optimizer"])
+        self.knobs.load_state_dict(state["knobs"])
+        self.controller.load_state_dict(state["controller"])
+        self.step_count = int(state["step"])
+        self._acc.copy_(state["acc"].to(self._acc))
+        self._acc_n = list(state["acc_n"])
+        self.history = [SyncRecord(**r) for r in state["history"]]
+        self._slots = state["slots"].clone()
+        rows = [k.values(self._slots[i]) for i, k in enumerate(self.knobs)]
+        self._values = torch.stack(rows) if rows else torch.empty(0, self.n_replicas, dtype=torch.float64)
+        self._local_values = self._values[:, self._first : self._first + self.n_local].tolist()
+        self._written = [[None] * self.n_local for _ in self.knobs]
+        self._write(force=True)
+
+    def __repr__(self) -> str:
+        return (f"Engine(replicas={self.n_replicas} ({self.n_local} local), step={self.step_count}, "
+                f"{self.knobs!r}, signal={self.signal!r}, backend={self.collective!r})")
+
+
+class _GradBuckets:
+    """Local replicas' gradients as views of one ``[L, P]`` flat buffer per (device, dtype).
+
+    Autograd accumulates into an existing ``.grad`` in place, so after backward the
+    buffer holds every replica's gradient and the shared-gradient mean is one
+    masked reduction per bucket, with no per-tensor copies.
+    """
+
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params[0]):
+            groups.setdefault((p.device, p.dtype), []).append(i)
+        self.buffers: list[torch.Tensor] = []
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its grad view)
+        for (device, dtype), idx in groups.items():
+            sizes = [params[0][i].numel() for i in idx]
+            buf = torch.zeros(len(replicas), sum(sizes), device=device, dtype=dtype)
+            self.buffers.append(buf)
+            for l, ps in enumerate(params):
+                for i, chunk in zip(idx, buf[l].split(sizes)):
+                    view = chunk.view(ps[i].shape)
+                    ps[i].grad = view
+                    self._views.append((ps[i], view))
+
+    def zero_(self) -> None:
+        for buf in self.buffers:
+            buf.zero_()
+        for p, v in self._views:
+            if p.grad is not v:  # someone replaced the grad: take it back into the buffer
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                p.grad = v
+
+    def average_(self, losses: torch.Tensor, collective: Collective) -> None:
+        """Every replica's gradient <- mean over replicas with finite loss (on all ranks)."""
+        for p, v in self._views:
+            if p.grad is not v:
+                if p.grad is not None:
+                    v.copy_(p.grad)
+                p.grad = v
+        ok = torch.isfinite(losses)
+        sums = []
+        for buf in self.buffers:
+            buf.masked_fill_(~ok.to(buf.device)[:, None], 0)
+            sums.append(buf.sum(0))
+        count = ok.sum().to(torch.float64).reshape(1)
+        if collective.world_size > 1:
+            collective.all_reduce_sum_([*sums, count])
+        for buf, s in zip(self.buffers, sums):
+            s.div_(count.to(s).clamp_min(1))
+            buf.copy_(s.expand_as(buf))
+
+
+def _split(batch: Any, n: int) -> list[Any]:
+    if n == 1:
+        return [batch]
+    if torch.is_tensor(batch):
+        if batch.dim() == 0 or batch.shape[0] < n:
+            raise ConfigError([f"a batch of size {batch.shape[0] if batch.dim() else 0} cannot be split "
+                               f"among {n} replicas: give at least one example per replica"])
+        return list(torch.tensor_split(batch, n))
+    if isinstance(batch, (list, tuple)):
+        cols = [_split(b, n) for b in batch]
+        return [type(batch)(c[i] for c in cols) if not hasattr(batch, "_fields")
+                else type(batch)(*(c[i] for c in cols)) for i in range(n)]
+    if isinstance(batch, dict):
+        cols = {k: _split(v, n) for k, v in batch.items()}
+        return [{k: v[i] for k, v in cols.items()} for i in range(n)]
+    return [batch] * n
+
+
+def _weights_norm(model: torch.nn.Module) -> torch.Tensor:
+    """A scalar that is finite iff every floating weight and buffer is (stays on device)."""
+    ts = [t.detach() for t in float_state(model)]
+    if not ts:
+        return torch.zeros(())
+    return torch.stack([n.float() for n in torch._foreach_norm(ts)]).sum()
+
+
+def _mix(seed: int, index: int) -> int:
+    """A per-replica seed from the run's seed (splitmix64-style, deterministic across processes)."""
+    x = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 31
+    return x & (2**63 - 1)
+
+
+@torch.no_grad()
+def _warm_noise_(model: torch.nn.Module, nu: float, seed: int) -> None:
+    """Paper 3.5: ``theta += eps``, ``eps ~ N(0, (nu ||theta|| / sqrt(P))^2)`` per tensor."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for p in model.parameters():
+        if not p.is_floating_point() or p.numel() == 0:
+            continue
+        std = nu * float(p.norm()) / math.sqrt(p.numel())
+        dtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
+        noise = torch.randn(p.shape, generator=gen, dtype=dtype)
+        p.add_(noise.to(p.device, p.dtype), alpha=std)

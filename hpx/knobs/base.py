@@ -1,0 +1,260 @@
+"""The Knob: one scalar hyperparameter explored across replicas.
+
+A knob is a declaration. It holds no model: the engine binds it to each replica
+(its model, optimizer and value table) and the knob returns a *setter* that
+writes a value into that replica. Between syncs nothing about a knob changes
+except an optional per-step *scale* (a learning-rate schedule), so the hot path
+only writes values where they changed.
+
+Symbols (see ``shared/HDET.md``): ``b`` is the knob's base (centre), ``alpha`` its
+spread, ``s`` a slot and ``pi`` the permutation that gives replica ``r`` the
+slot ``pi(r)``.
+
+* multiplicative knobs (learning rate, weight decay, temperature) give slot ``s``
+  the value ``b * rho_s`` with ``rho_s = 1 + alpha * u_s``;
+* additive knobs (dropout, label smoothing) give ``b + alpha * u_s``, clamped to
+  the knob's bounds;
+
+where ``u_s = (s - (N-1)/2) / max((N-1)/2, 0.5)`` lies evenly in ``[-1, 1]`` with
+mean exactly 0, so ``rho`` lies evenly in ``[1-alpha, 1+alpha]`` with mean 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from hpx.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hpx.replica import Replica
+
+__all__ = ["Custom", "Knob", "Setter", "slot_offsets"]
+
+Setter = Callable[[float], None]
+"""Writes one value into one bound replica."""
+
+Kind = Literal["mul", "add"]
+
+
+def slot_offsets(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """``u_s`` for ``s = 0..n-1``: evenly spaced in ``[-1, 1]``, mean exactly 0.
+
+    ``n = 1`` gives ``[0]``. For every ``n`` the offsets are antisymmetric
+    (``u_s = -u_{n-1-s}``), which is what makes the spread's mean exact.
+    """
+    if n < 1:
+        raise ConfigError([f"number of replicas must be >= 1 (got {n})"])
+    half = (n - 1) / 2
+    delta = max(half, 0.5)
+    s = torch.arange(n, dtype=dtype)
+    return (s - half) / delta
+
+
+class Knob:
+    """A scalar hyperparameter with a base value, a spread and bounds.
+
+    Subclasses say where the value goes by overriding :meth:`bind` (return a
+    setter for one replica) and, if the base may be read from the replica, by
+    overriding :meth:`read`.
+
+    Args:
+        name: unique name, used to read the value (``replica.value(name)``), in
+            logs and in checkpoints.
+        base: the starting base value ``b``. ``None`` reads it from the first
+            replica at bind time (for example a parameter group's ``lr``).
+        spread: ``alpha``. For multiplicative knobs a ratio in ``[0, 1)``; for
+            additive knobs an absolute amount in the knob's units.
+        kind: ``"mul"`` (``b * rho_s``, for positive quantities) or ``"add"``
+            (``b + alpha * u_s``, for bounded ones).
+        bounds: ``(low, high)``; values and the base are kept inside. A
+            multiplicative knob's values are always positive.
+        explore: ``False`` keeps the knob fixed at its base (no spread, no
+            controller updates) while still applying it: useful for ablations.
+    """
+
+    kind: Kind
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        base: float | None = None,
+        spread: float = 0.0,
+        kind: Kind = "mul",
+        bounds: tuple[float, float] | None = None,
+        explore: bool = True,
+    ) -> None:
+        problems: list[str] = []
+        if not isinstance(name, str) or not name:
+            problems.append(f"knob name must be a non-empty string (got {name!r})")
+        label = f"knob {name!r}"
+        if kind not in ("mul", "add"):
+            problems.append(f"kind of {label} must be 'mul' or 'add' (got {kind!r})")
+        if bounds is None:
+            bounds = (0.0, math.inf)
+        low, high = (float(bounds[0]), float(bounds[1]))
+        if not low < high:
+            problems.append(f"bounds of {label} must satisfy low < high (got {bounds})")
+        if kind == "mul" and low < 0:
+            problems.append(f"bounds of multiplicative {label} must be >= 0 (got low={low})")
+        if not _is_real(spread) or spread < 0:
+            problems.append(f"spread of {label} must be a number >= 0 (got {spread!r})")
+        elif kind == "mul" and spread >= 1:
+            problems.append(
+                f"spread of multiplicative {label} must be in [0, 1) so every value stays "
+                f"positive (got {spread}); for a wider search use a LearningRate base "
+                "closer to the expected optimum"
+            )
+        if base is not None:
+            problems.extend(_base_problems(label, base, kind, low, high))
+        ConfigError.check(problems)
+        self.name = name
+        self.kind = kind
+        self.spread = float(spread) if explore else 0.0
+        self.low, self.high = low, high
+        self.explore = bool(explore)
+        self._initial_base = None if base is None else float(base)
+        self.base: float = math.nan if base is None else float(base)
+
+    # --- what subclasses provide -------------------------------------------------
+
+    def bind(self, replica: Replica) -> Setter | None:
+        """Return a setter that writes a value into ``replica``, or ``None`` if the
+        value is only read (``replica.value(name)``, as for label smoothing).
+
+        Raise :class:`~hpx.errors.ConfigError` if the replica lacks what the
+        knob needs (no such parameter group, no matching module).
+        """
+        return None
+
+    def read(self, replica: Replica) -> float | None:
+        """The replica's current value, used as the base when ``base=None``."""
+        return None
+
+    def scale(self, step: int) -> float:
+        """A per-step factor applied on top of the replica's value (1 by default).
+
+        :class:`~hpx.LearningRate` uses it to follow a schedule: the controller
+        learns a multiplicative correction ``b`` and the schedule keeps its shape.
+        """
+        return 1.0
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether :meth:`scale` changes with the step (values then are written every step)."""
+        return False
+
+    # --- shared behaviour --------------------------------------------------------
+
+    def resolve_base(self, replica: Replica) -> None:
+        """Fill ``base`` from the replica if it was not given; check it."""
+        if self._initial_base is not None:
+            return
+        value = self.read(replica)
+        if value is None:
+            raise ConfigError(
+                [f"knob {self.name!r} has no base value: pass base=... when declaring it"]
+            )
+        ConfigError.check(_base_problems(f"knob {self.name!r}", value, self.kind, self.low, self.high))
+        self._initial_base = float(value)
+        self.base = float(value)
+
+    def values(self, slots: torch.Tensor, base: float | None = None) -> torch.Tensor:
+        """Per-replica values for ``slots`` (replica ``r`` takes slot ``slots[r]``).
+
+        Returns float64 values ``b * rho_s`` or ``clamp(b + alpha * u_s)``, before
+        any per-step :meth:`scale`.
+        """
+        b = self.base if base is None else base
+        u = slot_offsets(len(slots))[slots]
+        if self.kind == "mul":
+            v = b * (1.0 + self.spread * u)
+        else:
+            v = b + self.spread * u
+        return v.clamp(self.low, self.high)
+
+    def clamp(self, value: float) -> float:
+        """Keep a base inside the knob's bounds (and positive for multiplicative knobs)."""
+        v = min(max(value, self.low), self.high)
+        if self.kind == "mul" and v <= 0:
+            v = math.ulp(0.0) if self.low == 0 else self.low
+        return v
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "base": self.base, "initial_base": self._initial_base}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("name") != self.name:
+            raise ConfigError(
+                [f"checkpoint holds knob {state.get('name')!r} where {self.name!r} was declared"]
+            )
+        self.base = float(state["base"])
+        ib = state.get("initial_base")
+        self._initial_base = None if ib is None else float(ib)
+
+    def _describe(self) -> str:
+        base = "from replica" if self._initial_base is None else f"{self.base:.6g}"
+        return f"name={self.name!r}, base={base}, spread={self.spread:g}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._describe()})"
+
+
+class Custom(Knob):
+    """A knob defined by a getter/setter pair on a replica.
+
+    ``set(replica, value)`` writes the value; ``get(replica)`` (optional) reads the
+    starting base when ``base`` is not given. Example: a temperature stored on a
+    loss object the replica owns::
+
+        hpx.Custom("temp", get=lambda r: r.model.temp, set=lambda r, v: setattr(r.model, "temp", v),
+                   spread=0.2)
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        set: Callable[[Replica, float], None],  # noqa: A002 - mirrors property(fget, fset)
+        get: Callable[[Replica], float] | None = None,
+        base: float | None = None,
+        spread: float = 0.0,
+        kind: Kind = "mul",
+        bounds: tuple[float, float] | None = None,
+        explore: bool = True,
+    ) -> None:
+        problems = []
+        if not callable(set):
+            problems.append(f"set of knob {name!r} must be callable (got {set!r})")
+        if get is not None and not callable(get):
+            problems.append(f"get of knob {name!r} must be callable or None (got {get!r})")
+        if base is None and get is None:
+            problems.append(f"knob {name!r} needs base=... or a get= function to read it")
+        ConfigError.check(problems)
+        super().__init__(name, base=base, spread=spread, kind=kind, bounds=bounds, explore=explore)
+        self._set, self._get = set, get
+
+    def bind(self, replica: Replica) -> Setter:
+        setter = self._set
+        return lambda value: setter(replica, value)
+
+    def read(self, replica: Replica) -> float | None:
+        return None if self._get is None else float(self._get(replica))
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _base_problems(label: str, base: object, kind: str, low: float, high: float) -> list[str]:
+    if not _is_real(base):
+        return [f"base of {label} must be a finite number (got {base!r})"]
+    if kind == "mul" and base <= 0:  # type: ignore[operator]
+        return [f"base of multiplicative {label} must be > 0 (got {base})"]
+    if not low <= base <= high:  # type: ignore[operator]
+        return [f"base of {label} must lie in [{low:g}, {high:g}] (got {base})"]
+    return []

@@ -1,0 +1,160 @@
+"""Knobs that live as attributes of modules: dropout rates, attention temperatures, any float attribute."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Union
+
+from torch import nn
+
+from hpx.errors import ConfigError
+from hpx.knobs.base import Kind, Knob, Setter
+
+if TYPE_CHECKING:
+    from hpx.replica import Replica
+
+__all__ = ["AttentionTemperature", "Dropout", "ModuleAttribute", "ModuleSelector"]
+
+ModuleSelector = Union[
+    str,
+    Sequence[str],
+    type,
+    tuple,
+    Callable[[nn.Module], Iterable[nn.Module]],
+    None,
+]
+"""Which modules of a replica's model a knob sets: a qualified submodule name or a
+list of them (``"encoder.layers.0.dropout"``), a module class or tuple of classes
+(every instance), a function ``model -> modules``, or ``None`` for the knob's
+default class."""
+
+
+class ModuleAttribute(Knob):
+    """A float attribute set on selected modules of each replica's model.
+
+    Args:
+        attribute: the attribute's name (``"p"`` for dropout).
+        modules: a :data:`ModuleSelector`; ``None`` means every module that is an
+            instance of ``default_types``.
+    """
+
+    default_types: tuple[type, ...] = ()
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        attribute: str,
+        modules: ModuleSelector = None,
+        base: float | None = None,
+        spread: float = 0.0,
+        kind: Kind = "mul",
+        bounds: tuple[float, float] | None = None,
+        explore: bool = True,
+    ) -> None:
+        if not isinstance(attribute, str) or not attribute.isidentifier():
+            raise ConfigError([f"attribute of knob {name!r} must be an identifier (got {attribute!r})"])
+        if modules is None and not self.default_types:
+            raise ConfigError([f"knob {name!r} needs modules=... (names, a class or a function)"])
+        super().__init__(name, base=base, spread=spread, kind=kind, bounds=bounds, explore=explore)
+        self.attribute = attribute
+        self.modules = modules
+
+    def select(self, model: nn.Module) -> list[nn.Module]:
+        """The modules of ``model`` this knob sets (at least one, or ConfigError)."""
+        sel = self.modules
+        if sel is None:
+            sel = self.default_types
+        if isinstance(sel, str):
+            sel = [sel]
+        is_types = isinstance(sel, tuple) and sel and all(isinstance(t, type) for t in sel)
+        if isinstance(sel, type) or is_types:
+            found = [m for m in model.modules() if isinstance(m, sel)]
+        elif callable(sel):
+            found = list(sel(model))
+        else:
+            found = []
+            for qualified in sel:
+                try:
+                    found.append(model.get_submodule(qualified))
+                except AttributeError:
+                    raise ConfigError(
+                        [f"knob {self.name!r}: the model has no submodule {qualified!r}"]
+                    ) from None
+        if not found:
+            raise ConfigError(
+                [f"knob {self.name!r} found no modules to set {self.attribute!r} on "
+                 f"(selector {self.modules!r}) in {type(model).__name__}"]
+            )
+        missing = [type(m).__name__ for m in found if not hasattr(m, self.attribute)]
+        if missing:
+            raise ConfigError(
+                [f"knob {self.name!r}: module(s) {sorted(set(missing))} have no attribute "
+                 f"{self.attribute!r}"]
+            )
+        return found
+
+    def bind(self, replica: Replica) -> Setter:
+        mods, attr = self.select(replica.model), self.attribute
+
+        def setter(value: float) -> None:
+            for m in mods:
+                setattr(m, attr, value)
+
+        return setter
+
+    def read(self, replica: Replica) -> float:
+        vals = {float(getattr(m, self.attribute)) for m in self.select(replica.model)}
+        if len(vals) != 1:
+            raise ConfigError(
+                [f"knob {self.name!r}: the selected modules start with different values "
+                 f"{sorted(vals)}; pass base=... to set them all"]
+            )
+        return vals.pop()
+
+
+class Dropout(ModuleAttribute):
+    """The drop probability ``p`` of dropout modules (additive spread, kept in ``bounds``).
+
+    By default every ``nn.Dropout``/``Dropout1d/2d/3d``/``AlphaDropout`` in the model.
+    Note that some modules keep a dropout rate as a plain float of their own (for
+    example ``nn.MultiheadAttention.dropout``); select those with ``modules=`` and
+    ``attribute="dropout"`` if you want them explored too.
+    """
+
+    default_types = (nn.modules.dropout._DropoutNd,)
+
+    def __init__(
+        self,
+        name: str = "dropout",
+        *,
+        modules: ModuleSelector = None,
+        base: float | None = None,
+        spread: float = 0.0,
+        bounds: tuple[float, float] = (0.0, 0.99),
+        explore: bool = True,
+    ) -> None:
+        super().__init__(name, attribute="p", modules=modules, base=base, spread=spread,
+                         kind="add", bounds=bounds, explore=explore)
+
+
+class AttentionTemperature(ModuleAttribute):
+    """A positive scale the model reads, e.g. a temperature on attention logits.
+
+    The model must read the attribute in ``forward`` (``scores / self.temperature``);
+    ``modules`` picks which modules carry it (a class, names or a function).
+    """
+
+    def __init__(
+        self,
+        name: str = "temperature",
+        *,
+        modules: ModuleSelector,
+        attribute: str = "temperature",
+        base: float | None = None,
+        spread: float = 0.0,
+        bounds: tuple[float, float] | None = None,
+        explore: bool = True,
+    ) -> None:
+        super().__init__(name, attribute=attribute, modules=modules, base=base, spread=spread,
+                         kind="mul", bounds=bounds, explore=explore)

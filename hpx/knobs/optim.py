@@ -1,0 +1,134 @@
+"""Knobs that live in an optimizer's parameter groups: learning rate and weight decay."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from hpx.errors import ConfigError
+from hpx.knobs.base import Knob, Setter
+
+if TYPE_CHECKING:
+    from hpx.replica import Replica
+
+__all__ = ["GroupKnob", "LearningRate", "WeightDecay"]
+
+
+class GroupKnob(Knob):
+    """A multiplicative knob stored under ``key`` in one optimizer parameter group.
+
+    ``group`` picks the group by index, or by the ``"name"`` entry you give the
+    group when building the optimizer (torch keeps extra keys in param groups)::
+
+        torch.optim.AdamW([{"params": body, "name": "body"},
+                           {"params": embed, "name": "embed"}], lr=1e-3)
+    """
+
+    key: str = ""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        group: int | str = 0,
+        base: float | None = None,
+        spread: float = 0.0,
+        bounds: tuple[float, float] | None = None,
+        explore: bool = True,
+    ) -> None:
+        if not isinstance(group, (int, str)) or isinstance(group, bool):
+            raise ConfigError([f"group of knob {name!r} must be an index or a name (got {group!r})"])
+        super().__init__(name, base=base, spread=spread, kind="mul", bounds=bounds, explore=explore)
+        self.group = group
+
+    def _group(self, replica: Replica) -> dict:
+        groups = replica.optimizer.param_groups
+        if isinstance(self.group, int):
+            if not -len(groups) <= self.group < len(groups):
+                raise ConfigError(
+                    [f"knob {self.name!r} asks for parameter group {self.group}, but the "
+                     f"optimizer has {len(groups)} group(s)"]
+                )
+            g = groups[self.group]
+        else:
+            found = [g for g in groups if g.get("name") == self.group]
+            if len(found) != 1:
+                names = [g.get("name") for g in groups]
+                how = "no" if not found else f"{len(found)}"
+                raise ConfigError(
+                    [f"knob {self.name!r} asks for parameter group named {self.group!r}, but "
+                     f"{how} group has that name (group names: {names}); name groups with "
+                     "{'params': ..., 'name': ...} when building the optimizer"]
+                )
+            g = found[0]
+        if self.key not in g:
+            raise ConfigError(
+                [f"knob {self.name!r}: parameter group {self.group!r} of "
+                 f"{type(replica.optimizer).__name__} has no {self.key!r} setting"]
+            )
+        return g
+
+    def bind(self, replica: Replica) -> Setter:
+        g, key = self._group(replica), self.key
+
+        def setter(value: float) -> None:
+            g[key] = value
+
+        return setter
+
+    def read(self, replica: Replica) -> float:
+        value = self._group(replica)[self.key]
+        if hasattr(value, "item"):  # a tensor lr (capturable optimizers)
+            value = value.item()
+        return float(value)
+
+    def _describe(self) -> str:
+        return f"{super()._describe()}, group={self.group!r}"
+
+
+class LearningRate(GroupKnob):
+    """The learning rate of one parameter group (``group["lr"]``).
+
+    The controller moves ``b``; ``schedule`` (optional) gives the shape. Replica
+    ``r`` trains at ``lr_r(t) = b * rho_pi(r) * schedule(t)``, so the schedule's
+    shape is kept and the controller learns a multiplicative correction on top of
+    it. With ``schedule=None`` the value is ``b * rho`` (constant between syncs).
+
+    Args:
+        schedule: ``f(step) -> factor``, for example ``lambda t: min(1, t / 100)``
+            for a warm-up. ``step`` counts optimizer steps from 0.
+    """
+
+    key = "lr"
+
+    def __init__(
+        self,
+        name: str = "lr",
+        *,
+        group: int | str = 0,
+        base: float | None = None,
+        spread: float = 0.0,
+        schedule: Callable[[int], float] | None = None,
+        bounds: tuple[float, float] | None = None,
+        explore: bool = True,
+    ) -> None:
+        if schedule is not None and not callable(schedule):
+            raise ConfigError([f"schedule of knob {name!r} must be callable (got {schedule!r})"])
+        super().__init__(name, group=group, base=base, spread=spread, bounds=bounds, explore=explore)
+        self.schedule = schedule
+
+    def scale(self, step: int) -> float:
+        return 1.0 if self.schedule is None else float(self.schedule(step))
+
+    @property
+    def scheduled(self) -> bool:
+        return self.schedule is not None
+
+
+class WeightDecay(GroupKnob):
+    """The weight decay of one parameter group (``group["weight_decay"]``)."""
+
+    key = "weight_decay"
+
+    def __init__(self, name: str = "weight_decay", **kwargs) -> None:
+        super().__init__(name, **kwargs)

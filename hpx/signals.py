@@ -1,0 +1,182 @@
+"""What the controller compares: one score per replica at each sync (lower is better).
+
+The paper compares replicas on their mean training loss over the interval
+(:class:`IntervalLoss`). Replicas then read different batches, so much of the
+difference between them is batch noise (HDET.md, "What the loss signal
+measures"). :class:`SharedBatch` scores every replica on one batch at the sync
+(a paired comparison: the data noise is common to all and cancels), and
+:class:`ProbeStream` on held-out batches the user supplies, which also stops a
+training-loss signal from favouring settings that overfit.
+
+A signal is any object with ``measure(ctx) -> Tensor[L]``; write your own (for
+example, scoring an average of each replica's recent weights) by implementing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from hpx.backends.base import Collective
+from hpx.errors import ConfigError
+from hpx.replica import Replica
+
+__all__ = ["IntervalLoss", "LossFn", "ProbeStream", "SharedBatch", "Signal", "SyncContext"]
+
+LossFn = Callable[[Replica, Any], torch.Tensor]
+"""``loss_fn(replica, batch) -> scalar loss tensor``."""
+
+
+@dataclass
+class SyncContext:
+    """What a signal may read at a sync.
+
+    Attributes:
+        replicas: this process's replicas (before averaging).
+        interval_loss: ``[L]`` mean recorded training loss of each local replica
+            since the last sync, on the replicas' device.
+        batch: the training batch of the step that triggered the sync (the whole
+            batch, before it was split among local replicas), or ``None``.
+        loss_fn: the training loss function given to ``Engine.step``, or ``None``.
+        collective: the backend, e.g. to broadcast a batch from rank 0.
+        step: the number of optimizer steps taken so far.
+    """
+
+    replicas: Sequence[Replica]
+    interval_loss: torch.Tensor
+    batch: Any
+    loss_fn: LossFn | None
+    collective: Collective
+    step: int
+
+
+@runtime_checkable
+class Signal(Protocol):
+    """Scores each local replica at a sync; lower is better."""
+
+    def measure(self, ctx: SyncContext) -> torch.Tensor:
+        """Return a ``[L]`` tensor, one score per local replica."""
+        ...
+
+
+class IntervalLoss:
+    """Each replica's mean training loss over the last interval (the paper's signal)."""
+
+    def measure(self, ctx: SyncContext) -> torch.Tensor:
+        return ctx.interval_loss
+
+    def __repr__(self) -> str:
+        return "IntervalLoss()"
+
+
+@torch.no_grad()
+def _score(replicas: Sequence[Replica], batches: Sequence[Any], loss_fn: LossFn,
+           eval_mode: bool) -> torch.Tensor:
+    scores = []
+    for rep in replicas:
+        flags = [(m, m.training) for m in rep.model.modules()]
+        if eval_mode:
+            rep.model.eval()
+        try:
+            total = sum(loss_fn(rep, b).detach().float() for b in batches)
+        finally:
+            for m, was in flags:
+                m.training = was
+        scores.append(total / len(batches))
+    return torch.stack(scores)
+
+
+def _broadcast_batch(batch: Any, collective: Collective) -> Any:
+    """Rank 0's batch on every rank (tensors broadcast in place on a copy)."""
+    if collective.world_size == 1:
+        return batch
+    if torch.is_tensor(batch):
+        out = batch.clone()
+        collective.broadcast_(out, 0)
+        return out
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_broadcast_batch(b, collective) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _broadcast_batch(v, collective) for k, v in batch.items()}
+    return collective.broadcast_object(batch, 0)
+
+
+class SharedBatch:
+    """Every replica scored at the sync on one shared batch: a paired comparison.
+
+    The batch is the one the sync step trained on (in a distributed run, rank 0's,
+    broadcast to all ranks; every rank's batch must then have the same shapes).
+
+    Args:
+        loss_fn: scores a replica on a batch; defaults to the training loss
+            function. Give one without regularisers the knobs change (label
+            smoothing) so the comparison is about the model, not the penalty.
+        eval_mode: score with the model in eval mode (no dropout noise).
+    """
+
+    def __init__(self, loss_fn: LossFn | None = None, *, eval_mode: bool = True) -> None:
+        self.loss_fn = loss_fn
+        self.eval_mode = eval_mode
+
+    def measure(self, ctx: SyncContext) -> torch.Tensor:
+        fn = self.loss_fn or ctx.loss_fn
+        if fn is None or ctx.batch is None:
+            raise ConfigError(
+                ["SharedBatch needs the step's batch and a loss function: use Engine.step(loss_fn, "
+                 "batch), or give SharedBatch(loss_fn=...) and pass batch= to Engine.advance"]
+            )
+        batch = _broadcast_batch(ctx.batch, ctx.collective)
+        return _score(ctx.replicas, [batch], fn, self.eval_mode)
+
+    def __repr__(self) -> str:
+        return f"SharedBatch(eval_mode={self.eval_mode})"
+
+
+class ProbeStream:
+    """Every replica scored at the sync on held-out batches the user supplies.
+
+    Args:
+        data: an iterable of batches (a DataLoader over a validation split, a list
+            of tensors...). It is cycled: when exhausted it is iterated again. In a
+            distributed run every rank must yield the same batches.
+        loss_fn: scores a replica on a batch; defaults to the training loss function.
+        batches: how many batches to score per sync.
+        eval_mode: score with the model in eval mode.
+
+    The iterator's position is not part of a checkpoint; a resumed run restarts
+    the probe stream from its beginning (use a list or a fixed validation split
+    and ``batches`` equal to its length for an exactly reproducible resume).
+    """
+
+    def __init__(self, data: Iterable[Any], loss_fn: LossFn | None = None, *, batches: int = 1,
+                 eval_mode: bool = True) -> None:
+        problems = []
+        if not isinstance(data, Iterable):
+            problems.append(f"ProbeStream data must be iterable (got {type(data).__name__})")
+        if not isinstance(batches, int) or batches < 1:
+            problems.append(f"ProbeStream batches must be an integer >= 1 (got {batches!r})")
+        ConfigError.check(problems)
+        self.data, self.loss_fn, self.batches, self.eval_mode = data, loss_fn, batches, eval_mode
+        self._it: Iterator[Any] | None = None
+
+    def _next(self) -> Any:
+        for _ in range(2):
+            if self._it is None:
+                self._it = iter(self.data)
+            try:
+                return next(self._it)
+            except StopIteration:
+                self._it = None
+        raise ConfigError(["ProbeStream data yielded no batches"])
+
+    def measure(self, ctx: SyncContext) -> torch.Tensor:
+        fn = self.loss_fn or ctx.loss_fn
+        if fn is None:
+            raise ConfigError(["ProbeStream needs loss_fn=... when Engine.step is not used"])
+        return _score(ctx.replicas, [self._next() for _ in range(self.batches)], fn, self.eval_mode)
+
+    def __repr__(self) -> str:
+        return f"ProbeStream(batches={self.batches}, eval_mode={self.eval_mode})"
