@@ -59,4 +59,5 @@ __all__ = [
     "WeightDecay",
     "__version__",
     "slot_offsets",
+    "softmax_weights",
 ]

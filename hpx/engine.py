@@ -246,6 +246,10 @@ class Engine:
             parts = list(batches)
         else:
             parts = _split(batch, self.n_local)
+        prepare = getattr(self.signal, "prepare", None)
+        if prepare is not None and (self.step_count + 1) % self.config.sync_every == 0:
+            prepare(SyncContext(self.replicas, self._acc, batch if batches is None else batches,
+                                loss_fn, self.collective, self.step_count))
         if self._grads is not None:
             self._grads.zero_()
         else:

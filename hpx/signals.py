@@ -55,7 +55,12 @@ class SyncContext:
 
 @runtime_checkable
 class Signal(Protocol):
-    """Scores each local replica at a sync; lower is better."""
+    """Scores each local replica at a sync; lower is better.
+
+    A signal may also define ``prepare(ctx)``: :meth:`Engine.step <hpx.Engine.step>`
+    calls it at the start of the step that ends with a sync, before any replica
+    trains on that step's batch (``ctx.interval_loss`` is then not yet complete).
+    """
 
     def measure(self, ctx: SyncContext) -> torch.Tensor:
         """Return a ``[L]`` tensor, one score per local replica."""
@@ -107,8 +112,12 @@ def _broadcast_batch(batch: Any, collective: Collective) -> Any:
 class SharedBatch:
     """Every replica scored at the sync on one shared batch: a paired comparison.
 
-    The batch is the one the sync step trained on (in a distributed run, rank 0's,
-    broadcast to all ranks; every rank's batch must then have the same shapes).
+    With :meth:`Engine.step <hpx.Engine.step>` the batch is the sync step's, scored
+    *before* the replicas train on it (a batch they have just trained on favours
+    whichever replica took the largest step on it: the highest learning rate).
+    With :meth:`Engine.advance <hpx.Engine.advance>` it is the ``batch`` passed
+    there, which should be one not yet trained on. In a distributed run rank 0's
+    batch is broadcast to all ranks; every rank's batch must have the same shapes.
 
     Args:
         loss_fn: scores a replica on a batch; defaults to the training loss
@@ -121,7 +130,15 @@ class SharedBatch:
         self.loss_fn = loss_fn
         self.eval_mode = eval_mode
 
+    def prepare(self, ctx: SyncContext) -> None:
+        """Score the replicas on the sync step's batch before they train on it."""
+        self._scores = self.measure(ctx)
+
     def measure(self, ctx: SyncContext) -> torch.Tensor:
+        cached = getattr(self, "_scores", None)
+        if cached is not None:
+            self._scores = None
+            return cached
         fn = self.loss_fn or ctx.loss_fn
         if fn is None or ctx.batch is None:
             raise ConfigError(

@@ -199,10 +199,10 @@ def _child(
         finally:
             dist.destroy_process_group()
         data = pickle.dumps(outcome)
-    except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
+    except BaseException as exc:  # everything must reach the parent
         try:
             pickled_exc: bytes | None = pickle.dumps(exc)
-        except Exception:  # noqa: BLE001 - unpicklable: the traceback text still goes
+        except Exception:  # unpicklable: the traceback text still goes
             pickled_exc = None
         failure = (pickled_exc, traceback.format_exc())
         data = pickle.dumps(("error", failure, failed_at or time.time()))

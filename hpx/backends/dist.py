@@ -118,7 +118,7 @@ class TorchDistributed:
         out = torch.empty(
             self._world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device
         )
-        # torch 2.13 renamed all_gather_into_tensor; take whichever this torch has.
+        # Recent torch renamed all_gather_into_tensor (now deprecated); use what exists.
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         with torch.no_grad():
             gather(out, tensor.detach().reshape(-1).contiguous(), group=self._group)
@@ -163,6 +163,8 @@ class TorchDistributed:
                 f"{what} differ across ranks: ranks {bad} disagree with rank 0 on shape or "
                 f"dtype (rank 0: {_describe(meta[0])}; rank {bad[0]}: {_describe(meta[bad[0]])})"
             )
+        if tensor.numel() == 0:
+            return  # same shape and dtype, and no values to differ
         gathered = self.all_gather(tensor).reshape(self._world_size, -1)
         bad = _disagreeing_rows(gathered)
         if bad:

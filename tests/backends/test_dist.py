@@ -140,6 +140,7 @@ def _scenario(rank: int, world_size: int) -> dict:
         "nan": torch.tensor([1.0, _NAN, 3.0]),
         "ints": torch.arange(4),
         "0dim nan": torch.tensor(_NAN, dtype=torch.float64),
+        "empty": torch.zeros(0, 3),
     }
     out["same_ok"] = {k: _check_same_outcome(backend, t, k) for k, t in agree.items()}
     if world_size > 1:
