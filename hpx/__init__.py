@@ -12,6 +12,7 @@ from hpx.config import EngineConfig
 from hpx.controller import Controller, ControllerStep, softmax_weights
 from hpx.engine import Engine, SyncRecord
 from hpx.errors import BackendError, ConfigError, ConsistencyError, HpxError, NonFiniteError
+from hpx.history import format_history, load_history, plot_history, save_history
 from hpx.knobs import (
     AttentionTemperature,
     Custom,
@@ -58,6 +59,10 @@ __all__ = [
     "SyncRecord",
     "WeightDecay",
     "__version__",
+    "format_history",
+    "load_history",
+    "plot_history",
+    "save_history",
     "slot_offsets",
     "softmax_weights",
 ]

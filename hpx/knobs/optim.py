@@ -41,7 +41,8 @@ class GroupKnob(Knob):
         super().__init__(name, base=base, spread=spread, kind="mul", bounds=bounds, explore=explore)
         self.group = group
 
-    def _group(self, replica: Replica) -> dict:
+    def _index(self, replica: Replica) -> int:
+        """The position of this knob's group in the replica's optimizer."""
         groups = replica.optimizer.param_groups
         if isinstance(self.group, int):
             if not -len(groups) <= self.group < len(groups):
@@ -49,9 +50,9 @@ class GroupKnob(Knob):
                     [f"knob {self.name!r} asks for parameter group {self.group}, but the "
                      f"optimizer has {len(groups)} group(s)"]
                 )
-            g = groups[self.group]
+            i = self.group % len(groups)
         else:
-            found = [g for g in groups if g.get("name") == self.group]
+            found = [i for i, g in enumerate(groups) if g.get("name") == self.group]
             if len(found) != 1:
                 names = [g.get("name") for g in groups]
                 how = "no" if not found else f"{len(found)}"
@@ -60,24 +61,26 @@ class GroupKnob(Knob):
                      f"{how} group has that name (group names: {names}); name groups with "
                      "{'params': ..., 'name': ...} when building the optimizer"]
                 )
-            g = found[0]
-        if self.key not in g:
+            i = found[0]
+        if self.key not in groups[i]:
             raise ConfigError(
                 [f"knob {self.name!r}: parameter group {self.group!r} of "
                  f"{type(replica.optimizer).__name__} has no {self.key!r} setting"]
             )
-        return g
+        return i
 
     def bind(self, replica: Replica) -> Setter:
-        g, key = self._group(replica), self.key
+        # Look the group up at every write: optimizer.load_state_dict replaces the
+        # param-group dicts, so a dict captured here would go stale.
+        i, key = self._index(replica), self.key
 
         def setter(value: float) -> None:
-            g[key] = value
+            replica.optimizer.param_groups[i][key] = value
 
         return setter
 
     def read(self, replica: Replica) -> float:
-        value = self._group(replica)[self.key]
+        value = replica.optimizer.param_groups[self._index(replica)][self.key]
         if hasattr(value, "item"):  # a tensor lr (capturable optimizers)
             value = value.item()
         return float(value)

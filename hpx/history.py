@@ -1,0 +1,97 @@
+"""Knob trajectories: save, load and plot an engine's sync history."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from hpx.engine import SyncRecord
+
+__all__ = ["format_history", "load_history", "plot_history", "save_history"]
+
+
+def save_history(history: Sequence[SyncRecord], path: str | Path) -> Path:
+    """Write the records as JSON (NaN scores as ``null``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [asdict(r) for r in history]
+    for row in rows:
+        row["scores"] = [None if math.isnan(s) else s for s in row["scores"]]
+    path.write_text(json.dumps({"format": 1, "history": rows}, indent=1))
+    return path
+
+
+def load_history(path: str | Path) -> list[SyncRecord]:
+    """Read records written by :func:`save_history`."""
+    data = json.loads(Path(path).read_text())
+    out = []
+    for row in data["history"]:
+        row["scores"] = [math.nan if s is None else s for s in row["scores"]]
+        out.append(SyncRecord(**row))
+    return out
+
+
+def format_history(history: Sequence[SyncRecord], every: int = 1) -> str:
+    """A plain-text table of the bases at each sync (every ``every``-th row and the last)."""
+    if not history:
+        return "(no syncs yet)"
+    names = list(history[0].bases)
+    head = f"{'step':>7}  " + "  ".join(f"{n:>12}" for n in names) + f"  {'best score':>11}"
+    lines = [head]
+    for i, r in enumerate(history):
+        if i % every and i != len(history) - 1:
+            continue
+        finite = [s for s in r.scores if not math.isnan(s)]
+        best = f"{min(finite):11.4f}" if finite else f"{'nan':>11}"
+        lines.append(f"{r.step:>7}  " + "  ".join(f"{r.bases[n]:>12.5g}" for n in names) + f"  {best}")
+    return "\n".join(lines)
+
+
+def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | None = None) -> Path:
+    """Plot each knob's base and the replicas' values per sync, and the scores, to a PNG.
+
+    Needs matplotlib (``pip install hpx[plot]``).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("plot_history needs matplotlib: pip install 'hpx[plot]'") from exc
+    if not history:
+        raise ValueError("history is empty: nothing to plot (did the run reach a sync?)")
+    names = list(history[0].bases)
+    steps = [r.step for r in history]
+    fig, axes = plt.subplots(len(names) + 1, 1, figsize=(7, 2.2 * (len(names) + 1)), sharex=True)
+    axes = list(axes) if len(names) else [axes]
+    for ax, name in zip(axes, names):
+        n = len(history[0].values[name])
+        for s in range(n):
+            ax.plot(steps, [r.values[name][s] for r in history], ".", ms=2, color="0.6")
+        ax.plot(steps, [r.bases[name] for r in history], "-", color="C0", lw=2, label="base")
+        ax.set_ylabel(name)
+        if all(r.bases[name] > 0 for r in history) and max(r.bases[name] for r in history) > 3 * min(
+            r.bases[name] for r in history
+        ):
+            ax.set_yscale("log")
+    ax = axes[-1]
+    ax.plot(steps, [min((s for s in r.scores if not math.isnan(s)), default=math.nan) for r in history],
+            label="best replica")
+    ax.plot(steps, [sum(s for s in r.scores if not math.isnan(s)) / max(1, sum(not math.isnan(s) for s in
+            r.scores)) for r in history], label="mean")
+    ax.set_ylabel("score")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=8)
+    axes[0].legend(fontsize=8, loc="best")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,384 @@
+"""The in-process engine: fan-out, converge, controller, faults, checkpoints."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hpx
+
+
+def mlp(seed: int = 0, dropout: float = 0.0, bn: bool = False) -> nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    layers: list[nn.Module] = [nn.Linear(64, 32)]
+    if bn:
+        layers.append(nn.BatchNorm1d(32))
+    layers += [nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 10)]
+    model = nn.Sequential(*layers)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def ce(rep: hpx.Replica, batch) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(rep.model(x), y)
+
+
+def batches(digits, n: int, size: int = 64, seed: int = 0):
+    x, y = digits
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        idx = torch.randint(0, 1400, (size,), generator=g)
+        yield x[idx], y[idx]
+
+
+def sgd(lr=0.1, **kw):
+    return lambda m: torch.optim.SGD(m.parameters(), lr=lr, **kw)
+
+
+def params(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+# --- the issue's headline checks -------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_zero_spread_shared_equals_large_batch(digits, n):
+    """alpha = 0 and shared gradients is plain large-batch training, bit for bit up to float rounding."""
+    opt = lambda m: torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9, weight_decay=1e-3)  # noqa: E731
+    engine = hpx.Engine(mlp(), opt, [hpx.LearningRate(spread=0.0)], replicas=n, sync_every=5)
+    plain = mlp()
+    plain_opt = opt(plain)
+    for b in batches(digits, 23):
+        engine.step(ce, b)
+        plain_opt.zero_grad()
+        F.cross_entropy(plain(b[0]), b[1]).backward()
+        plain_opt.step()
+    for rep in engine.replicas:
+        torch.testing.assert_close(params(rep.model), params(plain), rtol=1e-5, atol=1e-6)
+    assert engine.bases["lr"] == pytest.approx(0.2)
+
+
+def test_spread_changes_the_result(digits):
+    """The equivalence above is not vacuous: a spread makes replicas diverge between syncs."""
+    engine = hpx.Engine(mlp(), sgd(0.2), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=5,
+                        controller=False)
+    for b in batches(digits, 3):
+        engine.step(ce, b)
+    p = [params(r.model) for r in engine.replicas]
+    assert all((p[0] - q).abs().max() > 1e-6 for q in p[1:])
+
+
+def _final_lr_ratio(digits, lr: float, seed: int) -> float:
+    torch.manual_seed(seed)
+    engine = hpx.Engine(mlp(seed), sgd(lr), [hpx.LearningRate(spread=0.5)], replicas=4,
+                        sync_every=10, seed=seed, signal=hpx.SharedBatch())
+    for b in batches(digits, 200, seed=seed):
+        engine.step(ce, b)
+    return engine.bases["lr"] / lr
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_controller_raises_a_too_low_lr(digits, seed):
+    """On digits, SGD at lr 0.003 is far too low: the base must rise (here by > 3x in 20 syncs)."""
+    assert _final_lr_ratio(digits, 0.003, seed) > 3.0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_controller_lowers_a_too_high_lr(digits, seed):
+    """SGD at lr 10 on the same task is far too high (its loss spikes): the base must fall."""
+    assert _final_lr_ratio(digits, 10.0, seed) < 0.6
+
+
+def test_controller_off_keeps_bases(digits):
+    engine = hpx.Engine(mlp(), sgd(0.003), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=10,
+                        controller=False, signal=hpx.SharedBatch())
+    for b in batches(digits, 50):
+        engine.step(ce, b)
+    assert engine.bases["lr"] == 0.003
+    assert len(engine.history) == 5 and all(r.weights is None for r in engine.history)
+
+
+def test_warmup_delays_the_controller(digits):
+    engine = hpx.Engine(mlp(), sgd(0.003), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=10,
+                        warmup=30, signal=hpx.SharedBatch())
+    for b in batches(digits, 50):
+        engine.step(ce, b)
+    moved = [r.step for r in engine.history if r.bases["lr"] != 0.003]
+    assert [r.weights is None for r in engine.history] == [True, True, False, False, False]
+    assert moved and min(moved) >= 30
+
+
+# --- fan-out ---------------------------------------------------------------------------
+
+
+def test_values_written_from_step_zero():
+    engine = hpx.Engine(mlp(dropout=0.2), sgd(0.1),
+                        [hpx.LearningRate(spread=0.5), hpx.Dropout(spread=0.1)], replicas=4)
+    lrs = sorted(r.optimizer.param_groups[0]["lr"] for r in engine.replicas)
+    assert lrs == pytest.approx([0.05, 0.1 * (1 - 0.5 / 3), 0.1 * (1 + 0.5 / 3), 0.15])
+    ps = sorted(r.model[2].p for r in engine.replicas)
+    assert ps == pytest.approx([0.1, 0.2 - 0.1 / 3, 0.2 + 0.1 / 3, 0.3])
+    for r in engine.replicas:
+        assert r.value("lr") == r.optimizer.param_groups[0]["lr"]
+
+
+def test_knobs_draw_independent_permutations(digits):
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate("a", spread=0.5),
+                                          hpx.Custom("b", base=1.0, spread=0.5, set=lambda r, v: None)],
+                        replicas=8, sync_every=1, controller=False)
+    same = 0
+    for b in batches(digits, 20):
+        engine.step(ce, b)
+        same += engine.history[-1].values["a"] == engine.history[-1].values["b"]
+    assert same < 3
+
+
+def test_scheduled_lr_follows_its_shape(digits):
+    shape = lambda t: min(1.0, (t + 1) / 10)  # noqa: E731 - a linear warm-up
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.2, schedule=shape)], replicas=2,
+                        sync_every=100)
+    centre = [r.value("lr") / shape(0) for r in engine.replicas]  # b * rho_r, fixed until a sync
+    assert sorted(centre) == pytest.approx([0.08, 0.12])
+    for t, b in enumerate(batches(digits, 12)):
+        lrs = [r.optimizer.param_groups[0]["lr"] for r in engine.replicas]
+        assert lrs == pytest.approx([c * shape(t) for c in centre], rel=1e-12)
+        engine.step(ce, b)
+
+
+# --- converge --------------------------------------------------------------------------
+
+
+def test_sync_averages_parameters_and_float_buffers(digits):
+    engine = hpx.Engine(mlp(bn=True), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=4,
+                        sync_every=4, mode="independent", controller=False)
+    it = batches(digits, 4)
+    for b in [next(it) for _ in range(3)]:
+        engine.step(ce, b)
+    before = [copy.deepcopy(r.model.state_dict()) for r in engine.replicas]
+    assert not torch.equal(before[0]["1.running_mean"], before[1]["1.running_mean"])
+    # Run the 4th step by hand on copies to know what each replica holds just before averaging.
+    expected = {}
+    last = next(it)
+    engine.step(ce, last)
+    after = [r.model.state_dict() for r in engine.replicas]
+    for key in after[0]:
+        for s in after[1:]:
+            assert torch.equal(after[0][key], s[key]), key
+    expected = before[0]["1.num_batches_tracked"] + 1
+    assert int(after[0]["1.num_batches_tracked"]) == int(expected)
+    assert not torch.equal(after[0]["1.running_mean"], before[0]["1.running_mean"])
+
+
+def test_sync_result_is_the_mean(digits):
+    """Stop just before a sync, compute the mean by hand, and compare."""
+    engine = hpx.Engine(mlp(bn=True), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=3,
+                        sync_every=3, mode="independent", controller=False)
+    bs = list(batches(digits, 3))
+    for b in bs[:2]:
+        engine.step(ce, b)
+    mirror = copy.deepcopy(engine.replicas)  # replicas as they are before the last step
+    parts = torch.tensor_split(bs[2][0], 3), torch.tensor_split(bs[2][1], 3)
+    for r, x, y in zip(mirror, *parts):
+        r.optimizer.zero_grad()
+        F.cross_entropy(r.model(x), y).backward()
+        r.optimizer.step()
+    engine.step(ce, bs[2])
+    for key, value in engine.replicas[0].model.state_dict().items():
+        if value.is_floating_point():
+            mean = torch.stack([r.model.state_dict()[key] for r in mirror]).mean(0)
+            torch.testing.assert_close(value, mean, rtol=1e-5, atol=1e-6)
+
+
+def test_independent_mode_diverges_shared_mode_shares_gradients(digits):
+    shared = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=100)
+    indep = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.0)], replicas=4, sync_every=100,
+                       mode="independent")
+    b = next(batches(digits, 1))
+    shared.step(ce, b)
+    indep.step(ce, b)
+    g = [torch.cat([p.grad.reshape(-1) for p in r.model.parameters()]) for r in shared.replicas]
+    assert all(torch.equal(g[0], h) for h in g[1:])
+    g = [torch.cat([p.grad.reshape(-1) for p in r.model.parameters()]) for r in indep.replicas]
+    assert all(not torch.allclose(g[0], h) for h in g[1:])
+
+
+def test_gradients_live_in_flat_buckets(digits):
+    engine = hpx.Engine(mlp(), sgd(0.1), [], replicas=3)
+    bufs = engine._grads.buffers
+    assert len(bufs) == 1 and bufs[0].shape[0] == 3
+    for b in batches(digits, 2):
+        engine.step(ce, b)
+    lo, hi = bufs[0].data_ptr(), bufs[0].data_ptr() + bufs[0].numel() * bufs[0].element_size()
+    for r in engine.replicas:
+        for p in r.model.parameters():
+            assert lo <= p.grad.data_ptr() < hi
+    # a user who zeroes grads to None does not break it
+    engine.replicas[1].optimizer.zero_grad(set_to_none=True)
+    engine.step(ce, next(batches(digits, 1, seed=5)))
+    assert all(lo <= p.grad.data_ptr() < hi for p in engine.replicas[1].model.parameters())
+
+
+# --- faults ----------------------------------------------------------------------------
+
+
+def test_nan_replica_is_left_out_and_reset(digits):
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=5,
+                        mode="independent")
+
+    def poisoned(rep, batch):
+        loss = ce(rep, batch)
+        if rep.index == 2 and engine.step_count == 7:
+            return loss * float("nan")
+        return loss
+
+    bs = list(batches(digits, 10))
+    for b in bs[:9]:
+        engine.step(poisoned, b)
+    assert not torch.isfinite(params(engine.replicas[2].model)).all()
+    healthy = [params(r.model) for i, r in enumerate(engine.replicas) if i != 2]
+    engine.step(poisoned, bs[9])  # the sync at step 10
+    rec = engine.history[-1]
+    assert rec.nonfinite == [2] and math.isnan(rec.scores[2])
+    assert rec.weights[2] == 0.0 and sum(rec.weights) == pytest.approx(1.0)
+    assert math.isfinite(engine.bases["lr"])
+    for r in engine.replicas:
+        assert torch.isfinite(params(r.model)).all()
+    assert len(healthy) == 3
+
+
+def test_nan_in_shared_mode_does_not_poison_the_others(digits):
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=5)
+
+    def poisoned(rep, batch):
+        loss = ce(rep, batch)
+        return loss * float("nan") if rep.index == 1 and engine.step_count == 2 else loss
+
+    for b in batches(digits, 5):
+        engine.step(poisoned, b)
+    assert engine.history[-1].nonfinite == [1]
+    for r in engine.replicas:
+        assert torch.isfinite(params(r.model)).all()
+
+
+def test_all_replicas_nan_raises(digits):
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=3, sync_every=2)
+    nan_loss = lambda rep, b: ce(rep, b) * float("nan")  # noqa: E731
+    bs = batches(digits, 2)
+    engine.step(nan_loss, next(bs))
+    with pytest.raises(hpx.NonFiniteError, match="all 3 replicas"):
+        engine.step(nan_loss, next(bs))
+
+
+# --- determinism and checkpoints --------------------------------------------------------
+
+
+def _run(digits, steps, seed=0, state=None, engine=None):
+    knobs = [hpx.LearningRate(spread=0.4), hpx.Dropout(spread=0.05), hpx.LabelSmoothing(base=0.1, spread=0.05)]
+    if engine is None:
+        engine = hpx.Engine(mlp(dropout=0.1), sgd(0.1, momentum=0.9), knobs, replicas=4,
+                            sync_every=5, seed=seed, signal=hpx.SharedBatch(), warm_init=0.01)
+    if state is not None:
+        engine.load_state_dict(state)
+    loss = lambda r, b: F.cross_entropy(r.model(b[0]), b[1], label_smoothing=r.value("label_smoothing"))  # noqa: E731
+    all_b = list(batches(digits, 40, seed=3))
+    gen_state = torch.random.get_rng_state()
+    for b in all_b[engine.step_count : steps]:
+        torch.manual_seed(engine.step_count)  # the user's dropout draws, reproducible per step
+        engine.step(loss, b)
+    torch.random.set_rng_state(gen_state)
+    return engine
+
+
+def test_same_seed_same_trajectory_and_resume_is_exact(digits):
+    full = _run(digits, 23)
+    again = _run(digits, 23)
+    assert [r.bases for r in full.history] == [r.bases for r in again.history]
+    half = _run(digits, 12)  # mid-interval: accumulators and step count must be saved too
+    buf = io.BytesIO()
+    torch.save(half.state_dict(), buf)
+    buf.seek(0)
+    resumed = _run(digits, 23, state=torch.load(buf, weights_only=False))
+    assert [r.bases for r in resumed.history] == [r.bases for r in full.history]
+    for a, b in zip(full.replicas, resumed.replicas):
+        assert torch.equal(params(a.model), params(b.model))
+        assert a.values == b.values
+    other = _run(digits, 23, seed=1)
+    assert [r.values for r in other.history] != [r.values for r in full.history]
+
+
+def test_global_rng_untouched(digits):
+    model = mlp()  # building nn.Linear draws from the global RNG: that is torch's, not hpx's
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    engine = hpx.Engine(model, sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=2,
+                        warm_init=0.01, signal=hpx.SharedBatch())
+    for b in batches(digits, 4):
+        engine.step(ce, b)
+    assert torch.equal(torch.random.get_rng_state(), before)
+
+
+def test_warm_init_noise(digits):
+    engine = hpx.Engine(mlp(), sgd(0.1), [], replicas=4, warm_init=0.05, seed=7)
+    ref = mlp()
+    w0 = ref[0].weight
+    for r in engine.replicas:
+        eps = r.model[0].weight - w0
+        expected = 0.05 * w0.norm() / math.sqrt(w0.numel())
+        assert float(eps.detach().std()) == pytest.approx(float(expected), rel=0.15)
+    a, b = (params(r.model) for r in engine.replicas[:2])
+    assert not torch.equal(a, b)
+    again = hpx.Engine(mlp(), sgd(0.1), [], replicas=4, warm_init=0.05, seed=7)
+    assert torch.equal(params(again.replicas[3].model), params(engine.replicas[3].model))
+
+
+def test_sixteen_replicas_and_one(digits):
+    for n in (1, 16):
+        engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=n, sync_every=2)
+        for b in batches(digits, 4):
+            losses = engine.step(ce, b)
+        assert losses.shape == (n,) and len(engine.history) == 2
+        assert len(engine.history[-1].values["lr"]) == n
+
+
+# --- bad input -------------------------------------------------------------------------
+
+
+def test_config_errors_list_every_problem():
+    with pytest.raises(hpx.ConfigError) as err:
+        hpx.Engine(mlp(), sgd(), [], sync_every=0, momentum=1.0, temperature=-1, replicas=0, foo=1)
+    text = str(err.value)
+    assert len(err.value.problems) == 5
+    for needle in ("sync_every", "(got 0)", "momentum", "temperature", "replicas", "'foo'"):
+        assert needle in text
+
+
+def test_optimizer_factory_must_use_the_given_model():
+    outside = mlp()
+    with pytest.raises(hpx.ConfigError, match="not its model's"):
+        hpx.Engine(mlp(), lambda m: torch.optim.SGD(outside.parameters(), lr=0.1), [], replicas=2)
+    with pytest.raises(hpx.ConfigError, match="need one optimizer each"):
+        hpx.Engine(mlp(), torch.optim.SGD(mlp().parameters(), lr=0.1), [], replicas=2)
+
+
+def test_batch_too_small_to_split(digits):
+    engine = hpx.Engine(mlp(), sgd(), [], replicas=4)
+    x, y = digits
+    with pytest.raises(hpx.ConfigError, match="at least one example per replica"):
+        engine.step(ce, (x[:3], y[:3]))
+
+
+def test_record_and_advance_without_losses_names_the_fix():
+    engine = hpx.Engine(mlp(), sgd(), [hpx.LearningRate(spread=0.3)], replicas=1, sync_every=2)
+    engine.advance()
+    with pytest.raises(hpx.ConfigError, match="record"):
+        engine.advance()
