@@ -72,7 +72,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
     print(f"{args.replicas} replicas, T={args.sync_every}, start lr={args.lr:g} dropout={args.dropout:g}")
-    for step in range(args.steps):
+    for _ in range(args.steps):
         idx = torch.randint(0, len(yt), (args.batch * args.replicas,), generator=gen)
         engine.step(loss_fn, (xt[idx], yt[idx]))  # split among the replicas
         if engine.history and engine.history[-1].step == engine.step_count:

@@ -283,7 +283,8 @@ def test_all_replicas_nan_raises(digits):
 
 
 def _run(digits, steps, seed=0, state=None, engine=None):
-    knobs = [hpx.LearningRate(spread=0.4), hpx.Dropout(spread=0.05), hpx.LabelSmoothing(base=0.1, spread=0.05)]
+    knobs = [hpx.LearningRate(spread=0.4), hpx.Dropout(spread=0.05),
+             hpx.LabelSmoothing(base=0.1, spread=0.05)]
     if engine is None:
         engine = hpx.Engine(mlp(dropout=0.1), sgd(0.1, momentum=0.9), knobs, replicas=4,
                             sync_every=5, seed=seed, signal=hpx.SharedBatch(), warm_init=0.01)
@@ -333,7 +334,7 @@ def test_warm_init_noise(digits):
     w0 = ref[0].weight
     for r in engine.replicas:
         eps = r.model[0].weight - w0
-        expected = 0.05 * w0.norm() / math.sqrt(w0.numel())
+        expected = 0.05 * w0.detach().norm() / math.sqrt(w0.numel())
         assert float(eps.detach().std()) == pytest.approx(float(expected), rel=0.15)
     a, b = (params(r.model) for r in engine.replicas[:2])
     assert not torch.equal(a, b)
