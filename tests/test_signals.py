@@ -1,0 +1,101 @@
+"""Signals: what the controller compares replicas on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hpx
+from tests.test_engine import batches, ce, mlp, sgd
+
+
+def test_identical_replicas_score_identically_on_shared_data(digits):
+    """Paired comparison: with no spread the replicas stay equal, so shared-data scores are equal
+    and the weights uniform; on their own batches (interval loss) they differ."""
+    x, y = digits
+    for signal in (hpx.SharedBatch(), hpx.ProbeStream([(x[1500:], y[1500:])])):
+        engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.0)], replicas=4, sync_every=5,
+                            signal=signal)
+        for b in batches(digits, 5):
+            engine.step(ce, b)
+        rec = engine.history[-1]
+        assert max(rec.scores) - min(rec.scores) < 1e-6
+        assert rec.weights == pytest.approx([0.25] * 4)
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.0)], replicas=4, sync_every=5)
+    for b in batches(digits, 5):
+        engine.step(ce, b)
+    assert max(engine.history[-1].scores) - min(engine.history[-1].scores) > 1e-4
+
+
+def test_shared_batch_scores_before_training_on_the_batch(digits):
+    """The sync step's batch is scored by the replicas as they were before that step."""
+    engine = hpx.Engine(mlp(), sgd(0.5), [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=3,
+                        signal=hpx.SharedBatch(), controller=False)
+    bs = list(batches(digits, 3))
+    for b in bs[:2]:
+        engine.step(ce, b)
+    with torch.no_grad():
+        expected = [F.cross_entropy(r.model.eval()(bs[2][0]), bs[2][1]).item() for r in engine.replicas]
+    for r in engine.replicas:
+        r.model.train()
+    engine.step(ce, bs[2])
+    assert engine.history[-1].scores == pytest.approx(expected, rel=1e-6)
+
+
+def test_probe_stream_cycles_and_uses_its_own_loss(digits):
+    x, y = digits
+    data = [(x[:50], y[:50]), (x[50:100], y[50:100])]
+    calls = []
+
+    def probe_loss(rep, batch):
+        calls.append(batch[0].shape[0])
+        return F.cross_entropy(rep.model(batch[0]), batch[1])
+
+    signal = hpx.ProbeStream(data, probe_loss, batches=3)
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.3)], replicas=2, sync_every=2,
+                        signal=signal)
+    for b in batches(digits, 4):
+        engine.step(ce, b)
+    assert len(calls) == 2 * 2 * 3  # syncs x replicas x batches, cycling through 2 batches
+
+
+def test_probe_scores_in_eval_mode_and_restores_train_mode(digits):
+    modes = []
+
+    class Spy(nn.Module):
+        def forward(self, x):
+            modes.append(self.training)
+            return x
+
+    model = nn.Sequential(mlp(), Spy())
+    model[1].eval()  # a submodule the user keeps in eval mode must stay so
+    x, y = digits
+    engine = hpx.Engine(model, sgd(0.1), [], replicas=2, sync_every=1,
+                        signal=hpx.ProbeStream([(x[:10], y[:10])]))
+    engine.step(ce, next(batches(digits, 1)))
+    assert modes[-2:] == [False, False]
+    assert model[0].training and not model[1].training
+
+
+def test_custom_signal_and_bad_signal(digits):
+    class Ranked:
+        def measure(self, ctx: hpx.SyncContext) -> torch.Tensor:
+            return torch.arange(len(ctx.replicas), dtype=torch.float32)  # replica 0 always best
+
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=2,
+                        signal=Ranked())
+    for b in batches(digits, 2):
+        engine.step(ce, b)
+    w = engine.history[-1].weights
+    assert w == sorted(w, reverse=True) and w[0] > w[-1]
+    with pytest.raises(hpx.ConfigError, match="measure"):
+        hpx.Engine(mlp(), sgd(0.1), [], signal=object())
+
+
+def test_shared_batch_without_batch_names_the_fix():
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=1, sync_every=1,
+                        signal=hpx.SharedBatch())
+    with pytest.raises(hpx.ConfigError, match="SharedBatch needs"):
+        engine.advance()
