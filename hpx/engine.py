@@ -505,12 +505,10 @@ class _GradBuckets:
                 p.grad = v
 
     def average_(self, losses: torch.Tensor, collective: Collective) -> None:
-        """Every replica's gradient <- mean over replicas with finite loss (on all ranks)."""
-        for p, v in self._views:
-            if p.grad is not v:
-                if p.grad is not None:
-                    v.copy_(p.grad)
-                p.grad = v
+        """Every replica's gradient <- mean over replicas with finite loss (on all ranks).
+
+        Relies on :meth:`zero_` having put the views back before backward.
+        """
         ok = torch.isfinite(losses)
         sums = []
         for buf in self.buffers:
