@@ -12,12 +12,13 @@ multiplicative knobs: scale-free, keeps the base positive) or ``z = x``
     w_r  = softmax_r((Lbar - L_r) / sigma)        # Eq. 4; non-finite L_r get w_r = 0
     D_k  = sum_r w_r z_kr - mean_r z_kr            # Eqs. 5-6: zero when losses are equal
     v_k  = beta v_k + (1 - beta) D_k               # Eq. 7, momentum
-    z_k <- decay(z_k, gamma) + clip(lambda v_k, +-max_r |z_kr - mean z_k|)
+    z_k <- decay(z_k, gamma) + clip(lambda v_k, +-(max_r z_kr - min_r z_kr) / 2)
 
 ``decay`` is ``z (1 - gamma)`` in linear space and ``z + log(1 - gamma)`` in
 log space; both multiply the base by ``1 - gamma`` (the paper's decay, positive
 ``gamma`` only, see HDET.md on the sign error of its Eq. 8). The clip keeps one
-sync's move within the range the replicas explored, so an update is bounded by
+sync's move within half the range the replicas explored (the distance from the
+centre to the extreme values of a symmetric spread), so an update is bounded by
 the spread even when momentum carries an old, larger velocity.
 
 ``sigma`` is the loss temperature. A fixed value (the paper's 0.1, its code's
@@ -67,14 +68,21 @@ def softmax_weights(
             "or check the data for NaN/inf"
         )
     ok = losses[finite]
+    w = torch.zeros_like(losses)
+    # Work on u = (L - min L) / range, in [0, 1]: its std can neither overflow nor
+    # underflow, whatever the scale of the losses (1e300 or 1e-300 apart).
+    d = ok - ok.min()
+    spread = float(d.max())
+    u = d / spread if spread > 0 and math.isfinite(spread) else torch.zeros_like(d)
     if temperature == "auto":
-        sigma = scale * float(ok.std(unbiased=False)) if n_ok > 1 else 0.0
+        su = float(u.std(unbiased=False)) if n_ok > 1 else 0.0
+        sigma = scale * su * spread
+        logits = (u.mean() - u) / (scale * su) if su > 0 else None
     else:
         sigma = float(temperature)
-    w = torch.zeros_like(losses)
-    if sigma > 0 and math.isfinite(sigma):
-        logits = ((ok.mean() - ok) / sigma).clamp(-_LOGIT_CAP, _LOGIT_CAP)
-        w[finite] = torch.softmax(logits, dim=0)
+        logits = (u.mean() - u) * (spread / sigma) if spread > 0 else None
+    if logits is not None:
+        w[finite] = torch.softmax(torch.nan_to_num(logits).clamp(-_LOGIT_CAP, _LOGIT_CAP), dim=0)
     else:
         w[finite] = 1.0 / n_ok
     return w, sigma
@@ -189,17 +197,20 @@ class Controller:
         finite = torch.isfinite(losses.detach().to("cpu", torch.float64).reshape(-1))
         z = torch.where(log_space[:, None], values.clamp_min(1e-300).log(), values)
         z_ok = z[:, finite]
-        mean = z_ok.mean(dim=1)
-        direction = z_ok @ w[finite] - mean
+        # D = sum w z - mean z, written as sum (w - 1/n) z so that equal losses
+        # (w exactly 1/n each) give D = 0 exactly, not rounding noise.
+        direction = z_ok @ (w[finite] - 1.0 / z_ok.shape[1])
         if self.velocity is None or self.velocity.numel() != k:
             self.velocity = torch.zeros(k, dtype=torch.float64)
         self.velocity = self.momentum * self.velocity + (1 - self.momentum) * direction
-        reach = (z_ok - mean[:, None]).abs().amax(dim=1)
+        # Half the explored range: the move allowed per sync; exactly 0 when all
+        # replicas hold one value (alpha = 0), so the base then never moves.
+        reach = (z_ok.amax(dim=1) - z_ok.amin(dim=1)) / 2
         step = (self.meta_lr * self.velocity).clamp(-reach, reach)
 
-        zb = torch.where(log_space, bases.log(), bases)
-        zb = torch.where(log_space, zb + torch.log1p(-gamma), zb * (1 - gamma)) + step
-        new = torch.where(log_space, zb.exp(), zb)
+        # Applied multiplicatively in log space (b * e^step * (1 - gamma)) so that a
+        # zero step and no decay leave the base bit for bit, with no exp(log b) round trip.
+        new = torch.where(log_space, bases * step.exp() * (1 - gamma), bases * (1 - gamma) + step)
         return ControllerStep(new, w, direction, self.velocity.clone(), sigma)
 
     def state_dict(self) -> dict[str, Any]:

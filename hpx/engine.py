@@ -24,6 +24,7 @@ from typing import Any, Union
 
 import torch
 
+from hpx._seed import derive_seed
 from hpx.averaging import average_, broadcast_, float_state, optimizer_state_tensors
 from hpx.backends.base import Collective
 from hpx.backends.local import InProcess
@@ -142,7 +143,7 @@ class Engine:
                 torch._foreach_copy_(s, states[0])
         if cfg.warm_init:
             for r in self.replicas:
-                _warm_noise_(r.model, cfg.warm_init, _mix(cfg.seed, r.index))
+                _warm_noise_(r.model, cfg.warm_init, derive_seed(cfg.seed, 0x7761726D, r.index))
 
         self._bind_knobs()
         self._grads = _GradBuckets(self.replicas) if (
@@ -438,7 +439,12 @@ class Engine:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` into an engine built with the same settings."""
+        """Restore a :meth:`state_dict` into an engine built with the same settings.
+
+        A state without ``"replicas"`` restores only hpx's own state (knobs,
+        permutations, controller, step, accumulators), leaving the models and
+        optimizers as they are: what a scheduler's checkpoint holds.
+        """
         problems = []
         if state.get("format") != 1:
             problems.append(f"unknown checkpoint format {state.get('format')!r} (expected 1)")
@@ -446,10 +452,10 @@ class Engine:
             problems.append(
                 f"checkpoint has {state.get('n_replicas')} replicas, this engine {self.n_replicas}"
             )
-        if state.get("first") != self._first or len(state.get("replicas", [])) != self.n_local:
+        if state.get("first") != self._first or len(state.get("replicas", [])) not in (0, self.n_local):
             problems.append("checkpoint was saved by a different rank layout: load each rank's own file")
         ConfigError.check(problems)
-        for r, s in zip(self.replicas, state["replicas"]):
+        for r, s in zip(self.replicas, state.get("replicas", ())):  # absent: hpx state only
             r.model.load_state_dict(s["model"])
             r.optimizer.load_state_dict(s["optimizer"])
         self.knobs.load_state_dict(state["knobs"])
@@ -546,13 +552,6 @@ def _weights_norm(model: torch.nn.Module) -> torch.Tensor:
     if not ts:
         return torch.zeros(())
     return torch.stack([n.float() for n in torch._foreach_norm(ts)]).sum()
-
-
-def _mix(seed: int, index: int) -> int:
-    """A per-replica seed from the run's seed (splitmix64-style, deterministic across processes)."""
-    x = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x ^= x >> 31
-    return x & (2**63 - 1)
 
 
 @torch.no_grad()

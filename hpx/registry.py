@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from hpx._seed import derive_seed
 from hpx.errors import ConfigError
 from hpx.knobs.base import Knob
 
@@ -53,7 +54,7 @@ class Knobs:
     def reseed(self, seed: int) -> None:
         """Restart the permutation stream from ``seed``."""
         self.seed = seed
-        self._gen.manual_seed(seed)
+        self._gen.manual_seed(derive_seed(seed, 0x6B6E6F62))  # the "knob" stream of this seed
 
     def __iter__(self) -> Iterator[Knob]:
         return iter(self._knobs)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
+
 from hpx.errors import ConfigError
 from hpx.knobs.base import Knob, Setter
 
@@ -75,7 +77,11 @@ class GroupKnob(Knob):
         i, key = self._index(replica), self.key
 
         def setter(value: float) -> None:
-            replica.optimizer.param_groups[i][key] = value
+            g = replica.optimizer.param_groups[i]
+            if torch.is_tensor(g[key]):  # capturable/compiled optimizers: keep the tensor, as torch does
+                g[key].fill_(value)
+            else:
+                g[key] = value
 
         return setter
 
