@@ -26,6 +26,7 @@ from hpx.knobs import (
 )
 from hpx.registry import Knobs
 from hpx.replica import Replica
+from hpx.schedule import ExploreLR, OneCycleLR, OneCyclePlan, explore_knobs
 from hpx.signals import IntervalLoss, ProbeStream, SharedBatch, Signal, SyncContext
 
 __version__ = "0.1.0"
@@ -42,6 +43,7 @@ __all__ = [
     "Dropout",
     "Engine",
     "EngineConfig",
+    "ExploreLR",
     "HpxError",
     "InProcess",
     "IntervalLoss",
@@ -51,6 +53,8 @@ __all__ = [
     "LearningRate",
     "ModuleAttribute",
     "NonFiniteError",
+    "OneCycleLR",
+    "OneCyclePlan",
     "ProbeStream",
     "Replica",
     "SharedBatch",
@@ -59,6 +63,7 @@ __all__ = [
     "SyncRecord",
     "WeightDecay",
     "__version__",
+    "explore_knobs",
     "format_history",
     "load_history",
     "plot_history",
