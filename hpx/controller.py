@@ -76,7 +76,7 @@ def softmax_weights(
     u = d / spread if spread > 0 and math.isfinite(spread) else torch.zeros_like(d)
     if temperature == "auto":
         su = float(u.std(unbiased=False)) if n_ok > 1 else 0.0
-        sigma = scale * su * spread
+        sigma = scale * su * spread if su > 0 else 0.0
         logits = (u.mean() - u) / (scale * su) if su > 0 else None
     else:
         sigma = float(temperature)

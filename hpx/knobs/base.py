@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from hpx.errors import ConfigError
+from hpx.errors import ConfigError, NonFiniteError
 
 if TYPE_CHECKING:
     from hpx.replica import Replica
@@ -179,6 +179,8 @@ class Knob:
 
     def clamp(self, value: float) -> float:
         """Keep a base inside the knob's bounds (and positive for multiplicative knobs)."""
+        if math.isnan(value):
+            raise NonFiniteError(f"knob {self.name!r}: the new base is NaN; nothing to clamp")
         v = min(max(value, self.low), self.high)
         if self.kind == "mul" and v <= 0:
             v = math.ulp(0.0) if self.low == 0 else self.low
