@@ -123,7 +123,8 @@ class Engine:
         )
 
         world, rank = self.collective.world_size, self.collective.rank
-        local = cfg.replicas if cfg.replicas is not None else (4 if world == 1 else 1)
+        in_process = isinstance(self.collective, InProcess)
+        local = cfg.replicas if cfg.replicas is not None else (4 if in_process else 1)
         self.n_local, self.n_replicas = local, local * world
         self._first = rank * local  # global index of local replica 0
         self._ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
@@ -132,6 +133,9 @@ class Engine:
                 ["a DistributedDataParallel model needs one replica per rank and mode='shared' "
                  "(DDP all-reduces gradients every step); for independent replicas pass the bare model"]
             )
+        prepare = getattr(self.collective, "prepare_model", None)
+        if prepare is not None:  # e.g. keep one rank's NaN gradient out of DDP's mean
+            model = prepare(model)
         self.replicas = self._build_replicas(model, optimizer, local)
         self._k_log = self.controller.log_mask([k.kind for k in self.knobs])
 
@@ -146,6 +150,9 @@ class Engine:
                 _warm_noise_(r.model, cfg.warm_init, derive_seed(cfg.seed, 0x7761726D, r.index))
 
         self._bind_knobs()
+        if world > 1:
+            # Every rank starts from rank 0's bases and permutation stream, whatever seed it was given.
+            self.knobs.load_state_dict(self.collective.broadcast_object(self.knobs.state_dict(), 0))
         self._grads = _GradBuckets(self.replicas) if (
             cfg.mode == "shared" and (local > 1 or (world > 1 and not self._ddp))
         ) else None

@@ -17,19 +17,29 @@ call ``torch.cuda.set_device(local_rank)`` first (``broadcast_object`` stages it
 pickled payload on the current CUDA device). Under gloo pass CPU tensors: gloo
 implements only some collectives for CUDA tensors, so CUDA with gloo is not
 supported here; use NCCL for GPUs.
+
+A model wrapped in DistributedDataParallel gets its gradients all-reduced by DDP,
+which would average one rank's NaN gradient into every rank. :meth:`TorchDistributed.prepare_model`
+replaces DDP's all-reduce with one that leaves non-finite ranks out (see
+:func:`finite_mean_hook`), so a rank whose loss goes NaN is outvoted at the next
+sync and reset from the others, as in the in-process backend.
 """
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from hpx.errors import BackendError, ConfigError, ConsistencyError
 
-__all__ = ["TorchDistributed"]
+__all__ = ["TorchDistributed", "finite_mean_hook"]
+
+log = logging.getLogger("hpx")
 
 _MB = 1024 * 1024
 
@@ -56,10 +66,18 @@ class TorchDistributed:
     into: large enough that a model's many small tensors cost a handful of
     collective calls instead of one each, small enough that the temporary copy
     stays a modest fraction of memory.
+
+    ``nan_guard`` (default on) makes :meth:`prepare_model` give a
+    DistributedDataParallel model :func:`finite_mean_hook`, so a rank whose loss
+    goes NaN is left out of the gradient mean and reset at the next sync, as in
+    the in-process backend. Off, DDP keeps its own (C++) reduction, a little
+    faster on CPU, and one rank's NaN reaches every rank: the engine then stops
+    with :class:`~hpx.errors.NonFiniteError` at the next sync.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0
+        self, group: dist.ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0,
+        nan_guard: bool = True,
     ) -> None:
         if not bucket_cap_mb > 0:  # also rejects NaN
             raise ConfigError(
@@ -84,6 +102,7 @@ class TorchDistributed:
         self._rank = rank
         self._world_size = dist.get_world_size(group)
         self._bucket_cap_bytes = int(bucket_cap_mb * _MB)
+        self._nan_guard = bool(nan_guard)
 
     @property
     def rank(self) -> int:
@@ -99,6 +118,10 @@ class TorchDistributed:
     def group(self) -> dist.ProcessGroup | None:
         """The process group given at construction (None: the default group)."""
         return self._group
+
+    def __repr__(self) -> str:
+        return (f"TorchDistributed(rank={self._rank}, world_size={self._world_size}, "
+                f"backend={dist.get_backend(self._group)!r}, nan_guard={self._nan_guard})")
 
     def all_reduce_sum_(self, tensors: list[torch.Tensor]) -> None:
         """Sum each tensor over all ranks, in place, with one collective per bucket.
@@ -174,6 +197,46 @@ class TorchDistributed:
                 f"(rank {bad[0]} differs in {n_diff} of {gathered.shape[1]} elements)"
             )
 
+    def prepare_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make a DistributedDataParallel model's gradient mean skip non-finite ranks.
+
+        Registers :func:`finite_mean_hook` as the model's DDP communication hook:
+        each step's gradient is averaged over the ranks whose gradient is finite,
+        so one rank's NaN or inf gradient no longer reaches the others. The engine calls
+        this at construction; calling it yourself first is harmless (it is
+        idempotent). Returns ``model`` itself.
+
+        A model that is not DDP, a world of one rank, and any model when the backend
+        was built with ``nan_guard=False`` are returned unchanged. A DDP model that
+        already has a communication hook keeps it (DDP allows only one); hpx then
+        logs a warning that a non-finite gradient on any rank will reach all of them.
+        """
+        if not (self._nan_guard and isinstance(model, DistributedDataParallel)) or self._world_size == 1:
+            return model
+        if getattr(model, "_hpx_finite_mean", False):
+            return model
+        group = model.process_group
+        world = dist.get_world_size(group)
+        if world != self._world_size:
+            raise ConfigError(
+                [f"the DistributedDataParallel model reduces over {world} ranks but TorchDistributed "
+                 f"over {self._world_size}: build both on the same process group"]
+            )
+        try:
+            model.register_comm_hook(_HookState(group, world), finite_mean_hook)
+        except RuntimeError as exc:
+            if "once" not in str(exc):
+                raise
+            log.warning(
+                "the DistributedDataParallel model already has a communication hook, so hpx keeps "
+                "it: a NaN or inf gradient on one rank will reach every rank (the in-process "
+                "backend leaves such replicas out). Register hpx's finite_mean_hook instead, or "
+                "none, to have it handled."
+            )
+            return model
+        model._hpx_finite_mean = True
+        return model
+
     def _all_reduce_bucket(self, bucket: list[torch.Tensor]) -> None:
         if len(bucket) == 1 and bucket[0].is_contiguous():
             # Reduce in place: no packing copy, and the caller's storage is untouched.
@@ -188,6 +251,104 @@ class TorchDistributed:
     def _check_src(self, src: int) -> None:
         if not 0 <= src < self._world_size:
             raise ValueError(f"src must be a rank in [0, {self._world_size}), got {src}")
+
+
+class _HookState:
+    """:func:`finite_mean_hook`'s state: the DDP model's group, and this step's verdict.
+
+    ``ok`` (this rank's verdict, a 0-dim bool on the gradients' device) and
+    ``count`` (the future of the number of finite ranks) are set by the step's
+    first bucket and read by the others.
+    """
+
+    __slots__ = ("count", "group", "ok", "read_host", "world_size")
+
+    def __init__(self, group: dist.ProcessGroup | None, world_size: int,
+                 read_host: bool | None = None) -> None:
+        self.group = group
+        self.world_size = world_size
+        # None: read the verdict on the host only for CPU tensors (free there).
+        # False forces the on-device path (tests exercise it on CPU).
+        self.read_host = read_host
+        self.ok: torch.Tensor | None = None
+        self.count: torch.futures.Future | None = None
+
+
+def finite_mean_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the gradient mean over the ranks whose gradient is finite.
+
+    A rank whose loss is NaN or inf has a non-finite gradient everywhere, first of
+    all in the parameters nearest the loss, whose bucket DDP reduces first
+    (bucket 0). So bucket 0 decides for the whole step, as the loss does in the
+    in-process backend: a rank whose bucket 0 holds a NaN or inf sends zeros in
+    every bucket and a 0 where the others send a 1, and every bucket's sum is
+    divided by the number of finite ranks instead of the world size ``W``. The
+    flags travel in one 1-element all-reduce per step, issued with bucket 0.
+
+    When every rank is finite the result is DDP's own, bit for bit: each bucket is
+    multiplied by ``1/W`` before the sum, as DDP does. If no rank is finite the
+    gradient is zero, and the engine stops at the sync with
+    :class:`~hpx.errors.NonFiniteError`, as in process. A NaN that appears only in
+    a later bucket (inside backward, with a finite loss and finite last layers)
+    is not caught here; it then reaches every rank, as it would in process.
+
+    Nothing is read back from an accelerator: the verdict and the masking stay on
+    the gradients' device (on CPU, where reading is free, a finite bucket skips
+    the masking pass). Cost over DDP's own all-reduce: the ``1/W`` scaling DDP
+    would otherwise fuse into its gradient copy (a hook receives the bucket
+    unscaled), the Python call per bucket, one finiteness pass over bucket 0
+    (about 1 MiB with DDP's defaults) and one tiny all-reduce. On a CPU the
+    scaling pass is most of it, a few percent of a step (``docs/benchmarks.md``);
+    on GPUs these passes are small beside the all-reduce.
+    """
+    buf = bucket.buffer()
+    world = state.world_size
+    cpu = buf.device.type == "cpu" if state.read_host is None else state.read_host
+    if bucket.index() == 0:
+        state.ok = _is_finite(buf)
+        flag = state.ok.to(torch.float32).reshape(1)
+        state.count = dist.all_reduce(flag, group=state.group, async_op=True).get_future()
+    ok, count = state.ok, state.count
+    if ok is None or count is None:  # cannot happen with DDP's in-order buckets
+        raise RuntimeError("finite_mean_hook: bucket 0 of the step was not seen first")
+    # DDP's own reduction multiplies by 1/W while copying gradients into the bucket
+    # (before the sum: no fp16 overflow); a hook gets the bucket unscaled.
+    buf.mul_(1.0 / world)
+    if cpu:
+        if not bool(ok):
+            buf.zero_()
+    else:
+        torch.where(ok, buf, torch.zeros((), dtype=buf.dtype, device=buf.device), out=buf)
+    summed = dist.all_reduce(buf, group=state.group, async_op=True).get_future()
+
+    def rescale(f: torch.futures.Future) -> torch.Tensor:
+        n_ok = f.value()[1].value()[0][0]  # [the bucket's future, the count's future]
+        if cpu:
+            c = float(n_ok)
+            if c != world:
+                buf.mul_(world / max(c, 1.0))
+            return buf
+        # W / W is exactly 1: with every rank finite the bucket is left bit for bit.
+        return buf.mul_(world / n_ok.clamp_min(1))
+
+    return torch.futures.collect_all([summed, count]).then(rescale)
+
+
+# DDP checks a hook's annotations against the real types, and this module's
+# annotations are strings (``from __future__ import annotations``).
+finite_mean_hook.__annotations__ = {
+    "state": _HookState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
+}
+
+
+def _is_finite(t: torch.Tensor) -> torch.Tensor:
+    """0-dim bool on ``t``'s device: no NaN or inf in ``t`` (one pass, no host read)."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    if t.is_complex():
+        return torch.isfinite(t).all()
+    lo, hi = torch.aminmax(t)  # NaN propagates; +-inf shows at an end
+    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def _buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:

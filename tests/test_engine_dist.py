@@ -1,0 +1,499 @@
+"""The engine over TorchDistributed on real gloo processes, against the in-process engine.
+
+One launch of 4 ranks runs every scenario (``_world4``) and returns what each rank
+saw; the in-process references run here, in the test process, with the same
+seed, data and settings (``replicas=4``, where replica ``r`` gets chunk ``r`` of
+each batch, as rank ``r`` does). The tests below each check one aspect of those
+observations. World size 1 runs in this process on a one-rank group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import asdict
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hpx
+from hpx.backends import InProcess
+from hpx.backends.dist import TorchDistributed, _HookState, finite_mean_hook
+from hpx.errors import BackendError, ConsistencyError, NonFiniteError
+from tests._dist import free_port, run_distributed
+
+WORLD = 4
+STEPS, T, BATCH = 40, 10, 64
+NAN_STEP = 13  # replica 1's loss is NaN at this step (0-based) in the NaN scenario
+
+
+# --- one training run, the same code in process and on every rank ---------------------
+
+
+def _digits() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y, dtype=torch.long)
+
+
+def _batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same sequence of whole batches in every process."""
+    x, y = _digits()
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        idx = torch.randint(0, len(x), (BATCH,), generator=gen)
+        out.append((x[idx], y[idx]))
+    return out
+
+
+class _Net(nn.Module):
+    def __init__(self, batchnorm: bool = True) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32) if batchnorm else nn.Identity(),
+                                  nn.ReLU())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    net = model.module if isinstance(model, DDP) else model
+    return torch.optim.SGD(
+        [{"params": net.body.parameters(), "name": "body", "weight_decay": 1e-3},
+         {"params": net.head.parameters(), "name": "head"}],
+        lr=0.1, momentum=0.9,
+    )
+
+
+def _knobs(spread: float) -> list[hpx.Knob]:
+    return [hpx.LearningRate("lr/body", group="body", spread=spread),
+            hpx.LearningRate("lr/head", group="head", spread=spread),
+            hpx.WeightDecay("wd", group="body", spread=spread)]
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    net = model.module if isinstance(model, DDP) else model
+    return {k: v.detach().clone() for k, v in net.state_dict().items()}
+
+
+def _ddp(model: nn.Module) -> DDP:
+    """DDP without the per-forward buffer broadcast: hpx averages buffers at syncs."""
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:  # torch >= 2.12
+        return DDP(model, forward_sync_buffers=False)
+    return DDP(model, broadcast_buffers=False)
+
+
+def _train(backend: hpx.Collective, *, mode: str = "shared", ddp: bool = False, spread: float = 0.3,
+           nan_step: int | None = None, steps: int = STEPS, own_hook: bool = False,
+           **settings: Any) -> dict:
+    """Train on the digits; return the history and every local replica's final state.
+
+    ``own_hook``: the DDP model comes with DDP's plain all-reduce hook already
+    registered, so hpx cannot install its own (``prepare_model`` keeps the user's).
+    """
+    world, rank = backend.world_size, backend.rank
+    torch.manual_seed(0)  # model init: the engine broadcasts rank 0's anyway
+    model: nn.Module = _Net()
+    if ddp:
+        model = _ddp(model)
+        if own_hook:
+            model.register_comm_hook(None, allreduce_hook)
+    replicas = 4 if isinstance(backend, InProcess) else 1
+    engine = hpx.Engine(model, _optimizer, _knobs(spread), backend=backend, replicas=replicas,
+                        mode=mode, sync_every=T, warmup=T, seed=0, **settings)
+
+    def loss_fn(rep: hpx.Replica, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        loss = F.cross_entropy(rep.model(batch[0]), batch[1])
+        if engine.step_count == nan_step and rep.index == 1:
+            loss = loss * math.nan
+        return loss
+
+    for x, y in _batches(steps):
+        if world > 1:  # rank r trains on chunk r, as in-process replica r does
+            x, y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+        engine.step(loss_fn, (x, y))
+    return {"history": [asdict(r) for r in engine.history],
+            "states": [_state(r.model) for r in engine.replicas]}
+
+
+def _plain_ddp(steps: int) -> dict[str, torch.Tensor]:
+    """The same run as plain DDP: no hpx, no hook."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = _ddp(_Net())
+    opt = _optimizer(model)
+    for x, y in _batches(steps):
+        x, y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    return _state(model)
+
+
+@contextlib.contextmanager
+def _counting(name: str) -> Iterator[list[int]]:
+    """Record the numel of every ``torch.distributed.<name>`` call (the real one still runs)."""
+    calls: list[int] = []
+    real = getattr(dist, name)
+
+    def counting(tensor: torch.Tensor, *args: object, **kwargs: object) -> object:
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    setattr(dist, name, counting)
+    try:
+        yield calls
+    finally:
+        setattr(dist, name, real)
+
+
+@contextlib.contextmanager
+def _captured_log() -> Iterator[list[str]]:
+    """Messages of hpx's log records (warnings and up) while the block runs."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("hpx")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _sync_calls(backend: TorchDistributed) -> dict:
+    """Collective calls made by one sync of an independent-mode engine (no per-step traffic)."""
+    torch.manual_seed(0)
+    engine = hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=backend, replicas=1,
+                        mode="independent", sync_every=2, seed=0)
+    x, y = _batches(1)[0]
+
+    def loss_fn(rep, b):
+        return F.cross_entropy(rep.model(b[0]), b[1])
+
+    engine.step(loss_fn, (x, y))
+    gather = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    with _counting("all_reduce") as reduces, _counting(gather) as gathers:
+        engine.step(loss_fn, (x, y))  # the sync
+    n_float = sum(t.numel() for t in hpx.averaging.float_state(engine.model))
+    return {"reduces": reduces, "gathers": gathers, "n_float": n_float}
+
+
+def _inconsistent(backend: TorchDistributed) -> str | None:
+    """Rank 1's permutation stream leaves step after construction: the debug check must say so."""
+    torch.manual_seed(0)
+    engine = hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=backend, replicas=1,
+                        sync_every=2, seed=0, check_consistency=True)
+    if backend.rank == 1:
+        engine.knobs.reseed(12345)
+    x, y = _batches(1)[0]
+    try:
+        for _ in range(2):
+            engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+    except ConsistencyError as exc:
+        return str(exc)
+    return None
+
+
+def _seeds(backend: TorchDistributed) -> dict:
+    """Ranks given different seeds still draw rank 0's permutations."""
+    engine = hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=backend, replicas=1,
+                        seed=100 + backend.rank)
+    return {"slots": engine._slots.clone(), "seed": engine.knobs.seed}
+
+
+def _hook_grads(rank: int, world: int) -> dict:
+    """finite_mean_hook's gradients, with and without a NaN on rank 1, on both of its paths."""
+    x, y = _batches(1)[0]
+    x, y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+    torch.manual_seed(0)
+    plain = _Net(batchnorm=False)
+    F.cross_entropy(plain(x), y).backward()
+    out: dict = {"own": [p.grad.clone() for p in plain.parameters()]}
+    for read_host in (None, False):  # host verdict on CPU, and the accelerator path
+        for nan in (False, True):
+            torch.manual_seed(0)
+            model = DDP(_Net(batchnorm=False), bucket_cap_mb=1e-4)  # one bucket per tensor group
+            state = _HookState(None, world, read_host)
+            calls = []
+
+            def counting(state, bucket, calls=calls):
+                calls.append(bucket.index())
+                return finite_mean_hook(state, bucket)
+
+            counting.__annotations__ = finite_mean_hook.__annotations__
+            model.register_comm_hook(state, counting)
+            F.cross_entropy(model(x), y).backward()  # DDP forms its real buckets after step 1
+            model.zero_grad()
+            calls.clear()
+            loss = F.cross_entropy(model(x), y)
+            if nan and rank == 1:
+                loss = loss * math.nan
+            loss.backward()
+            out[(read_host, nan)] = [p.grad.clone() for p in model.parameters()]
+            out["buckets"] = calls
+    # Three ranks of four: 1/3 is inexact, so this checks the hook scales as DDP does.
+    sub = dist.new_group([0, 1, 2])
+    if rank < 3:
+        grads = []
+        for hook in (False, True):
+            torch.manual_seed(0)
+            model = DDP(_Net(batchnorm=False), process_group=sub)
+            if hook:
+                model.register_comm_hook(_HookState(sub, 3), finite_mean_hook)
+            for _ in range(2):
+                model.zero_grad()
+                F.cross_entropy(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        out["three_ranks_equal"] = all(torch.equal(a, b) for a, b in zip(*grads))
+        dist.destroy_process_group(sub)
+    return out
+
+
+def _world4(rank: int, world_size: int) -> dict:
+    backend = TorchDistributed()
+    out: dict = {"rank": rank}
+    out["hook"] = _hook_grads(rank, world_size)
+    out["ddp"] = _train(backend, ddp=True, check_consistency=True)
+    out["grads"] = _train(backend)  # shared mode without DDP: the engine's gradient buckets
+    out["independent"] = _train(backend, mode="independent")
+    out["nan"] = _train(backend, ddp=True, nan_step=NAN_STEP)
+    with _captured_log() as warnings:
+        try:
+            _train(backend, ddp=True, nan_step=NAN_STEP % T, own_hook=True, steps=T)
+            error = None
+        except NonFiniteError as exc:
+            error = str(exc)
+    out["nan_own_hook"] = (error, warnings)
+    out["alpha0_fixed"] = _train(backend, ddp=True, spread=0.0, controller=False)
+    out["alpha0"] = _train(backend, ddp=True, spread=0.0)
+    out["plain_ddp"] = _plain_ddp(STEPS)
+    out["sync_calls"] = _sync_calls(backend)
+    out["inconsistent"] = _inconsistent(backend)
+    out["seeds"] = _seeds(backend)
+    model = DDP(_Net())
+    hpx.Engine(model, _optimizer, _knobs(0.3), backend=backend, replicas=1)
+    out["engine_prepared"] = bool(getattr(model, "_hpx_finite_mean", False))
+    return out
+
+
+# --- fixtures: one launch, and the in-process references --------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_distributed(_world4, WORLD, timeout=150.0)
+
+
+@pytest.fixture(scope="module")
+def local() -> dict[str, dict]:
+    backend = InProcess()
+    return {
+        "shared": _train(backend),
+        "independent": _train(backend, mode="independent"),
+        "nan": _train(backend, nan_step=NAN_STEP),
+    }
+
+
+def _assert_histories_match(dist_hist: list[dict], local_hist: list[dict]) -> None:
+    assert len(dist_hist) == len(local_hist) == STEPS // T
+    for d, l in zip(dist_hist, local_hist):
+        assert d["step"] == l["step"]
+        assert d["nonfinite"] == l["nonfinite"]
+        for name, base in l["bases"].items():
+            assert d["bases"][name] == pytest.approx(base, rel=1e-5), (d["step"], name)
+        for name, values in l["values"].items():
+            assert d["values"][name] == pytest.approx(values, rel=1e-5), (d["step"], name)
+        assert d["scores"] == pytest.approx(l["scores"], rel=1e-4, nan_ok=True), d["step"]
+
+
+def _assert_states_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+def _assert_identical(states: list[dict[str, torch.Tensor]], what: str) -> None:
+    for i, s in enumerate(states[1:], start=1):
+        for k in s:
+            assert torch.equal(s[k], states[0][k]), f"{what}: rank {i} differs from rank 0 in {k}"
+
+
+# --- the DDP hook -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [None, False], ids=["host-verdict", "device-verdict"])
+def test_finite_mean_hook_averages_over_the_finite_ranks(ranks, path):
+    assert ranks[0]["hook"]["buckets"] == [0, 1, 2]
+    own = [obs["hook"]["own"] for obs in ranks]
+    for obs in ranks:
+        plain, with_nan = obs["hook"][(path, False)], obs["hook"][(path, True)]
+        for i, (g, g_nan) in enumerate(zip(plain, with_nan)):
+            everyone = sum(o[i] for o in own) / WORLD
+            all_but_1 = sum(o[i] for r, o in enumerate(own) if r != 1) / (WORLD - 1)
+            torch.testing.assert_close(g, everyone)
+            torch.testing.assert_close(g_nan, all_but_1)
+        # the two paths agree bit for bit
+        for g, h in zip(with_nan, obs["hook"][(None, True)]):
+            assert torch.equal(g, h)
+
+
+def test_finite_mean_hook_equals_ddps_own_reduction_bit_for_bit_on_three_ranks(ranks):
+    assert [obs["hook"].get("three_ranks_equal") for obs in ranks] == [True, True, True, None]
+
+
+# --- the distributed engine equals the in-process one ------------------------------------
+
+
+@pytest.mark.parametrize(("scenario", "reference"), [("ddp", "shared"), ("grads", "shared"),
+                                                     ("independent", "independent")])
+def test_knob_trajectories_match_in_process(ranks, local, scenario, reference):
+    expected = local[reference]["history"]
+    assert any(r["direction"] for r in expected), "the controller never ran: the test would be vacuous"
+    for obs in ranks:
+        _assert_histories_match(obs[scenario]["history"], expected)
+
+
+@pytest.mark.parametrize(("scenario", "reference"), [("ddp", "shared"), ("grads", "shared"),
+                                                     ("independent", "independent")])
+def test_final_parameters_match_in_process(ranks, local, scenario, reference):
+    expected = local[reference]["states"]
+    for obs in ranks:
+        (state,) = obs[scenario]["states"]
+        _assert_states_close(state, expected[obs["rank"]], f"{scenario} rank {obs['rank']}")
+
+
+@pytest.mark.parametrize("scenario", ["ddp", "grads", "independent", "nan", "alpha0"])
+def test_all_ranks_hold_identical_parameters_and_buffers_after_a_sync(ranks, scenario):
+    states = [obs[scenario]["states"][0] for obs in ranks]
+    assert any("running_mean" in k for k in states[0]), "the model should have buffers to check"
+    _assert_identical(states, scenario)
+
+
+def test_a_nan_rank_is_outvoted_and_reset_as_in_process(ranks, local):
+    expected = local["nan"]["history"]
+    sync = NAN_STEP // T  # the sync that ends the interval with the NaN
+    assert expected[sync]["nonfinite"] == [1]
+    assert all(not r["nonfinite"] for i, r in enumerate(expected) if i != sync)
+    for obs in ranks:
+        _assert_histories_match(obs["nan"]["history"], expected)
+        (state,) = obs["nan"]["states"]
+        assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+        _assert_states_close(state, local["nan"]["states"][obs["rank"]], f"nan rank {obs['rank']}")
+
+
+def test_a_users_own_ddp_hook_is_kept_with_a_warning_and_nan_then_reaches_all(ranks):
+    for obs in ranks:
+        error, warnings = obs["nan_own_hook"]
+        assert any("already has a communication hook" in w for w in warnings), warnings
+        assert error is not None, f"rank {obs['rank']} did not raise"
+        assert f"all {WORLD} replicas are non-finite" in error
+
+
+# --- alpha = 0 is plain DDP ----------------------------------------------------------------
+
+
+# Parameters only: hpx also averages BatchNorm statistics at syncs, which plain DDP
+# (broadcast_buffers=False) leaves to each rank.
+_PARAMS = {k for k, _ in _Net().named_parameters()}
+
+
+def test_alpha_zero_with_ddp_equals_plain_ddp_bit_for_bit(ranks):
+    for obs in ranks:
+        (state,) = obs["alpha0_fixed"]["states"]
+        for k in _PARAMS:
+            assert torch.equal(state[k], obs["plain_ddp"][k]), f"rank {obs['rank']}: {k} differs"
+
+
+def test_alpha_zero_with_the_controller_on_stays_plain_ddp(ranks):
+    for obs in ranks:
+        bases = [r["bases"] for r in obs["alpha0"]["history"]]
+        assert all(b == pytest.approx(bases[0], rel=1e-12) for b in bases)
+        (state,) = obs["alpha0"]["states"]
+        _assert_states_close({k: state[k] for k in _PARAMS},
+                             {k: obs["plain_ddp"][k] for k in _PARAMS}, f"alpha0 rank {obs['rank']}")
+
+
+# --- communication, consistency, rank agreement ---------------------------------------------
+
+
+def test_a_sync_is_one_gather_and_one_flat_all_reduce(ranks):
+    for obs in ranks:
+        calls = obs["sync_calls"]
+        assert len(calls["gathers"]) == 1  # [scores, health] of every replica at once
+        assert calls["reduces"] == [calls["n_float"]]  # params + float buffers, one bucket
+
+
+def test_consistency_check_names_the_disagreeing_rank_on_every_rank(ranks):
+    for obs in ranks:
+        message = obs["inconsistent"]
+        assert message is not None, f"rank {obs['rank']} did not raise"
+        assert "knob bases and permutations after the sync at step 2" in message
+        assert "ranks [1] disagree with rank 0" in message
+
+
+def test_ranks_with_different_seeds_draw_rank_0s_permutations(ranks):
+    expected = hpx.Knobs(*_knobs(0.3), seed=100).draw_slots(WORLD)
+    for obs in ranks:
+        assert obs["seeds"]["seed"] == 100
+        assert torch.equal(obs["seeds"]["slots"], expected)
+
+
+def test_engine_installs_the_finite_mean_hook_on_a_ddp_model(ranks):
+    assert all(obs["engine_prepared"] for obs in ranks)
+
+
+# --- one rank: plain training; no process group: a clear error --------------------------------
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    assert not dist.is_initialized(), "a test left a default process group behind"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["bare", "ddp"])
+def test_world_size_one_is_plain_training(one_rank_group, ddp):
+    steps = 2 * T
+    backend = TorchDistributed()
+    got = _train(backend, ddp=ddp, steps=steps)
+    assert [len(v) for v in got["history"][-1]["values"].values()] == [1, 1, 1]
+    torch.manual_seed(0)
+    model = _Net()
+    opt = _optimizer(model)
+    for x, y in _batches(steps):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    (state,) = got["states"]
+    for k, v in _state(model).items():
+        assert torch.equal(state[k], v), k
+
+
+def test_world_size_one_defaults_to_one_replica(one_rank_group):
+    engine = hpx.Engine(DDP(_Net()), _optimizer, _knobs(0.3), backend=TorchDistributed())
+    assert engine.n_replicas == 1
+
+
+def test_without_a_process_group_the_error_says_how_to_launch():
+    assert not dist.is_initialized()
+    with pytest.raises(BackendError, match=r"torchrun --nproc_per_node=4 .*init_process_group"):
+        hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=hpx.backends.TorchDistributed())
