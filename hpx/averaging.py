@@ -9,36 +9,16 @@ The result can be written to every replica (the converge step) or only to some
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from hpx._buckets import plan_buckets
 from hpx.backends.base import Collective
 
 __all__ = ["average_", "broadcast_", "float_state", "optimizer_state_tensors"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def _buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
-    """Indices of ``tensors`` grouped by (device, dtype), each group cut at ``cap_bytes``."""
-    groups: dict[tuple, list[int]] = defaultdict(list)
-    for i, t in enumerate(tensors):
-        groups[(t.device, t.dtype)].append(i)
-    out = []
-    for idx in groups.values():
-        cur, size = [], 0
-        for i in idx:
-            nbytes = tensors[i].numel() * tensors[i].element_size()
-            if cur and size + nbytes > cap_bytes:
-                out.append(cur)
-                cur, size = [], 0
-            cur.append(i)
-            size += nbytes
-        if cur:
-            out.append(cur)
-    return out
 
 
 def _flat(ts: Iterable[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
@@ -74,7 +54,7 @@ def average_(
         raise ValueError(f"total_weight must be > 0 (got {total_weight})")
     write = [True] * len(replicas) if write is None else list(write)
     first = replicas[0]
-    plan = _buckets(first, int(bucket_cap_mb * 2**20))
+    plan = plan_buckets(first, int(bucket_cap_mb * 2**20))
     sums = []
     for idx in plan:
         dtype = first[idx[0]].dtype
@@ -101,7 +81,7 @@ def broadcast_(tensors: Sequence[torch.Tensor], collective: Collective, src: int
     """Overwrite ``tensors`` on every rank with rank ``src``'s, in flat buckets."""
     if collective.world_size == 1 or not tensors:
         return
-    for idx in _buckets(tensors, int(bucket_cap_mb * 2**20)):
+    for idx in plan_buckets(tensors, int(bucket_cap_mb * 2**20)):
         flat = _flat((tensors[i] for i in idx), tensors[idx[0]].dtype)
         collective.broadcast_(flat, src)
         with torch.no_grad():

@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from hpx._buckets import plan_buckets
 from hpx.errors import BackendError, ConfigError, ConsistencyError
 
 __all__ = ["TorchDistributed", "finite_mean_hook"]
@@ -131,8 +131,8 @@ class TorchDistributed:
         lets callers reduce parameters' ``.grad`` or views into larger buffers.
         """
         with torch.no_grad():
-            for bucket in _buckets(tensors, self._bucket_cap_bytes):
-                self._all_reduce_bucket(bucket)
+            for idx in plan_buckets(tensors, self._bucket_cap_bytes):
+                self._all_reduce_bucket([tensors[i] for i in idx])
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Return every rank's ``tensor`` stacked as ``[W, *tensor.shape]``, rank order."""
@@ -349,36 +349,6 @@ def _is_finite(t: torch.Tensor) -> torch.Tensor:
         return torch.isfinite(t).all()
     lo, hi = torch.aminmax(t)  # NaN propagates; +-inf shows at an end
     return torch.isfinite(lo) & torch.isfinite(hi)
-
-
-def _buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
-    """Split ``tensors`` into flat-packable buckets of one (device, dtype) each.
-
-    Groups keep first-appearance order (not, say, sorted device names): under NCCL
-    each rank's device is a different ``cuda:k``, but every rank sees its groups
-    in the same order, which is what keeps the collectives matched. Within a
-    group, tensors fill a bucket in order until the next would exceed the cap, so
-    a tensor bigger than the cap travels alone. Empty tensors need no communication
-    and are dropped.
-    """
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(t)
-    buckets: list[list[torch.Tensor]] = []
-    for group in groups.values():
-        current: list[torch.Tensor] = []
-        current_bytes = 0
-        for t in group:
-            nbytes = t.numel() * t.element_size()
-            if current and current_bytes + nbytes > cap_bytes:
-                buckets.append(current)
-                current, current_bytes = [], 0
-            current.append(t)
-            current_bytes += nbytes
-        if current:
-            buckets.append(current)
-    return buckets
 
 
 def _shape_signature(tensor: torch.Tensor) -> torch.Tensor:
