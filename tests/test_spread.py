@@ -308,6 +308,7 @@ def test_different_seeds_different_streams(n, s1, s2):
 @given(st.integers(4, 16), seeds, st.integers(1, 2**31))
 @example(n=8, s=7, high=1)
 def test_seeds_differing_above_32_bits_give_different_streams(n, s, high):
+    """Regression: torch keeps only a seed's low 32 bits; Knobs now folds every bit in."""
     a, b = registry(1, s), registry(1, s + high * 2**32)
     seq_a = torch.stack([a.draw_slots(n) for _ in range(8)])
     seq_b = torch.stack([b.draw_slots(n) for _ in range(8)])
