@@ -33,6 +33,9 @@ class EngineConfig(BaseModel):
             Adam moments) at syncs. They are equal across replicas in shared
             mode; in independent mode this is a choice.
         meta_lr, momentum: ``lambda`` and ``beta`` of the controller.
+        debias_momentum: correct the controller's velocity for its start at 0
+            (as Adam does), so the first syncs take full steps; ``False`` is the
+            paper's Eq. 7.
         temperature: ``sigma``: ``"auto"`` (scaled std of the replicas' scores)
             or a fixed positive number (the paper's 0.1).
         temperature_scale: multiplies the automatic sigma.
@@ -59,6 +62,7 @@ class EngineConfig(BaseModel):
     average_optimizer_state: bool = False
     meta_lr: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.5
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
+    debias_momentum: bool = True
     temperature: Union[Literal["auto"], _Positive] = "auto"
     temperature_scale: _Positive = 1.0
     space: Literal["auto", "log", "linear"] = "auto"

@@ -12,7 +12,13 @@ multiplicative knobs: scale-free, keeps the base positive) or ``z = x``
     w_r  = softmax_r((Lbar - L_r) / sigma)        # Eq. 4; non-finite L_r get w_r = 0
     D_k  = sum_r w_r z_kr - mean_r z_kr            # Eqs. 5-6: zero when losses are equal
     v_k  = beta v_k + (1 - beta) D_k               # Eq. 7, momentum
-    z_k <- decay(z_k, gamma) + clip(lambda v_k, +-(max_r z_kr - min_r z_kr) / 2)
+    z_k <- decay(z_k, gamma) + clip(lambda v_k / c, +-(max_r z_kr - min_r z_kr) / 2)
+
+``c = 1 - beta^k`` after ``k`` updates (``debias=True``, the default) corrects the
+velocity's start from zero, as Adam does: without it the first update moves a
+tenth of a full step (``beta = 0.9``), and a controller that has only a few syncs
+of a warm-up to act in barely moves. ``debias=False`` (``c = 1``) is the paper's
+Eq. 7 exactly.
 
 ``decay`` is ``z (1 - gamma)`` in linear space and ``z + log(1 - gamma)`` in
 log space; both multiply the base by ``1 - gamma`` (the paper's decay, positive
@@ -118,6 +124,8 @@ class Controller:
         temperature_scale: multiplies the automatic sigma; smaller is greedier.
         space: ``"auto"`` (log for multiplicative knobs, linear for additive),
             ``"log"`` or ``"linear"`` for all knobs (``"linear"`` is the paper's).
+        debias: divide the velocity by ``1 - beta^k`` after ``k`` updates, so the
+            first syncs take full steps (``False``: the paper's Eq. 7).
     """
 
     def __init__(
@@ -128,6 +136,7 @@ class Controller:
         temperature: float | Literal["auto"] = "auto",
         temperature_scale: float = 1.0,
         space: Space = "auto",
+        debias: bool = True,
     ) -> None:
         problems = []
         if not _finite(meta_lr) or meta_lr < 0:
@@ -146,7 +155,9 @@ class Controller:
         self.temperature = temperature
         self.temperature_scale = float(temperature_scale)
         self.space = space
+        self.debias = bool(debias)
         self.velocity: torch.Tensor | None = None
+        self.updates = 0  # k, for the bias correction
 
     def log_mask(self, kinds: Sequence[str]) -> torch.Tensor:
         """Which knobs this controller moves in log space, given their kinds."""
@@ -202,11 +213,14 @@ class Controller:
         direction = z_ok @ (w[finite] - 1.0 / z_ok.shape[1])
         if self.velocity is None or self.velocity.numel() != k:
             self.velocity = torch.zeros(k, dtype=torch.float64)
+            self.updates = 0
         self.velocity = self.momentum * self.velocity + (1 - self.momentum) * direction
+        self.updates += 1
+        velocity = self.velocity / (1 - self.momentum**self.updates) if self.debias else self.velocity
         # Half the explored range: the move allowed per sync; exactly 0 when all
         # replicas hold one value (alpha = 0), so the base then never moves.
         reach = (z_ok.amax(dim=1) - z_ok.amin(dim=1)) / 2
-        step = (self.meta_lr * self.velocity).clamp(-reach, reach)
+        step = (self.meta_lr * velocity).clamp(-reach, reach)
 
         # Applied multiplicatively in log space (b * e^step * (1 - gamma)) so that a
         # zero step and no decay leave the base bit for bit, with no exp(log b) round trip.
@@ -214,17 +228,19 @@ class Controller:
         return ControllerStep(new, w, direction, self.velocity.clone(), sigma)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"velocity": None if self.velocity is None else self.velocity.clone()}
+        return {"velocity": None if self.velocity is None else self.velocity.clone(),
+                "updates": self.updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         v = state.get("velocity")
         self.velocity = None if v is None else v.detach().to("cpu", torch.float64).clone()
+        self.updates = int(state.get("updates", 0))
 
     def __repr__(self) -> str:
         return (
             f"Controller(meta_lr={self.meta_lr}, momentum={self.momentum}, "
             f"temperature={self.temperature!r}, temperature_scale={self.temperature_scale}, "
-            f"space={self.space!r})"
+            f"space={self.space!r}, debias={self.debias})"
         )
 
 

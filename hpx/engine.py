@@ -84,6 +84,10 @@ class Engine:
         backend: the :class:`~hpx.backends.Collective`; default in-process.
         signal: what replicas are compared on (default :class:`~hpx.IntervalLoss`).
         config: an :class:`~hpx.EngineConfig`, or give its fields as keywords.
+            ``controller=False`` switches the auto-update off; ``controller=obj``
+            replaces hpx's :class:`~hpx.Controller` by any object with its
+            ``update``, ``log_mask``, ``state_dict`` and ``load_state_dict``
+            (its own settings then apply, not ``meta_lr``, ``momentum``, ...).
 
     Example::
 
@@ -104,6 +108,14 @@ class Engine:
         config: EngineConfig | None = None,
         **settings: Any,
     ) -> None:
+        custom = settings.pop("controller", None)
+        if isinstance(custom, bool) or custom is None:
+            if custom is not None:
+                settings["controller"] = custom
+            custom = None
+        elif not all(hasattr(custom, m) for m in ("update", "log_mask", "state_dict", "load_state_dict")):
+            raise ConfigError([f"controller must be True, False or an object with update, log_mask, "
+                               f"state_dict and load_state_dict (got {custom!r})"])
         if config is not None and settings:
             raise ConfigError(["give either config=EngineConfig(...) or settings as keywords, not both"])
         self.config = config if config is not None else EngineConfig.build(**settings)
@@ -117,9 +129,9 @@ class Engine:
         self.signal: Signal = signal if signal is not None else IntervalLoss()
         if not hasattr(self.signal, "measure"):
             raise ConfigError([f"signal must have a measure(ctx) method (got {self.signal!r})"])
-        self.controller = Controller(
+        self.controller = custom if custom is not None else Controller(
             meta_lr=cfg.meta_lr, momentum=cfg.momentum, temperature=cfg.temperature,
-            temperature_scale=cfg.temperature_scale, space=cfg.space,
+            temperature_scale=cfg.temperature_scale, space=cfg.space, debias=cfg.debias_momentum,
         )
 
         world, rank = self.collective.world_size, self.collective.rank
@@ -522,6 +534,12 @@ class _GradBuckets:
 
         Relies on :meth:`zero_` having put the views back before backward.
         """
+        if collective.world_size == 1 and losses.device.type == "cpu" and math.isfinite(float(losses.sum())):
+            # One process with losses on the host (reading them waits for no device) and all
+            # finite: the plain mean, two ops per bucket instead of the masked reduction.
+            for buf in self.buffers:
+                buf.copy_(buf.mean(0, keepdim=True))
+            return
         ok = torch.isfinite(losses)
         sums = []
         for buf in self.buffers:

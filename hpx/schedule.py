@@ -380,7 +380,7 @@ class OneCyclePlan:
         out.update(
             warmup=self.handover if takes_over else self.shape.total_steps + 1,
             space="linear", temperature=PAPER_TEMPERATURE, meta_lr=PAPER_META_LR,
-            momentum=PAPER_MOMENTUM, decay=self.decay,
+            momentum=PAPER_MOMENTUM, debias_momentum=False, decay=self.decay,
         )
         return out
 

@@ -294,13 +294,15 @@ def test_softmax_matches_eq4(losses, temperature, scale):
 @SETTINGS
 @given(knob_case(space="linear"), st.data(), st.floats(0.0, 0.99), temperatures)
 def test_velocity_and_step_follow_eq7(case, data, momentum, temperature):
-    """v <- beta v + (1 - beta) D, and (inside the clip) z_b <- z_b + lambda v."""
+    """The paper's rule (debias=False): v <- beta v + (1 - beta) D, and (inside the clip)
+    z_b <- z_b + lambda v."""
     space, bases, values = case
     k, n = values.shape
     losses = data.draw(finite_losses(n))
     v0 = torch.tensor(data.draw(st.lists(st.floats(-1.0, 1.0), min_size=k, max_size=k)), dtype=F64)
     meta_lr = 1e-6  # small enough to stay inside the clip unless the spread is ~0
-    ctl = Controller(meta_lr=meta_lr, momentum=momentum, temperature=temperature, space=space)
+    ctl = Controller(meta_lr=meta_lr, momentum=momentum, temperature=temperature, space=space,
+                     debias=False)
     ctl.velocity = v0.clone()
     out = ctl.update(values, losses, bases, mask(space, k))
     d = out.direction
@@ -314,6 +316,31 @@ def test_velocity_and_step_follow_eq7(case, data, momentum, temperature):
     moved = out.bases - bases
     expected = meta_lr * out.velocity
     assert bool(((moved - expected).abs() <= 8 * EPS * (bases.abs() + 1))[inside].all()), (moved, expected)
+
+
+@SETTINGS
+@given(knob_case(n_min=2), st.data(), st.floats(0.0, 0.99))
+def test_debiased_velocity_takes_full_steps_from_the_start(case, data, momentum):
+    """debias=True: after k updates the step is lambda v / (1 - beta^k); a constant D gives
+    the step lambda D at every sync, the first included (inside the clip)."""
+    space, bases, values = case
+    k, n = values.shape
+    losses = data.draw(finite_losses(n))
+    meta_lr = 1e-6
+    ctl = Controller(meta_lr=meta_lr, momentum=momentum, space=space)
+    paper = Controller(meta_lr=meta_lr, momentum=momentum, space=space, debias=False)
+    half = (values.amax(dim=1) - values.amin(dim=1)) / 2
+    for i in range(1, 4):
+        out = ctl.update(values, losses, bases, mask(space, k))
+        ref = paper.update(values, losses, bases, mask(space, k))
+        assert torch.equal(out.velocity, ref.velocity)  # the state is the paper's velocity
+        inside = (meta_lr * out.direction).abs() < half * 0.5
+        moved = z_of(out.bases, space) - z_of(bases, space)
+        assert bool(((moved - meta_lr * out.direction).abs() <= 1e-9 * meta_lr * (out.direction.abs() + 1)
+                     + 8 * EPS * (z_of(bases, space).abs() + 1))[inside].all()), (i, moved, out.direction)
+    restored = Controller(meta_lr=meta_lr, momentum=momentum, space=space)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.updates == ctl.updates == 3
 
 
 # --- non-finite losses ---------------------------------------------------------------

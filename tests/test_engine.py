@@ -99,6 +99,23 @@ def test_controller_lowers_a_too_high_lr(digits, seed):
     assert _final_lr_ratio(digits, 10.0, seed) < 0.6
 
 
+def test_a_custom_controller_replaces_hpxs(digits):
+    class Upward(hpx.Controller):
+        """Always doubles every base: easy to recognise."""
+
+        def update(self, values, losses, bases, log_space, decay=None):
+            out = super().update(values, losses, bases, log_space, decay)
+            return hpx.ControllerStep(bases * 2, out.weights, out.direction, out.velocity, out.sigma)
+
+    engine = hpx.Engine(mlp(), sgd(0.01), [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=2,
+                        controller=Upward())
+    for b in batches(digits, 6):
+        engine.step(ce, b)
+    assert [r.bases["lr"] for r in engine.history] == pytest.approx([0.02, 0.04, 0.08])
+    with pytest.raises(hpx.ConfigError, match="controller must be"):
+        hpx.Engine(mlp(), sgd(), [], controller="fast")
+
+
 def test_controller_off_keeps_bases(digits):
     engine = hpx.Engine(mlp(), sgd(0.003), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=10,
                         controller=False, signal=hpx.SharedBatch())
