@@ -266,10 +266,11 @@ class Engine:
             parts = list(batches)
         else:
             parts = _split(batch, self.n_local)
+        shared = batch if batches is None else parts[0]  # what signals score every replica on
         prepare = getattr(self.signal, "prepare", None)
         if prepare is not None and (self.step_count + 1) % self.config.sync_every == 0:
-            prepare(SyncContext(self.replicas, self._acc, batch if batches is None else batches,
-                                loss_fn, self.collective, self.step_count))
+            prepare(SyncContext(self.replicas, self._acc, shared, loss_fn, self.collective,
+                                self.step_count))
         if self._grads is not None:
             self._grads.zero_()
         else:
@@ -291,7 +292,7 @@ class Engine:
             self._grads.average_(lt, self.collective)
         for r in self.replicas:
             r.optimizer.step()
-        self.advance(batch=batch if batches is None else batches, loss_fn=loss_fn, _recorded=True)
+        self.advance(batch=shared, loss_fn=loss_fn)
         return lt
 
     def record(self, loss: torch.Tensor, replica: int = 0) -> None:
@@ -303,7 +304,7 @@ class Engine:
         self._acc[replica].add_(loss.detach().reshape(()).to(self._acc.dtype))
         self._acc_n[replica] += 1
 
-    def advance(self, *, batch: Any = None, loss_fn: LossFn | None = None, _recorded: bool = False) -> None:
+    def advance(self, *, batch: Any = None, loss_fn: LossFn | None = None) -> None:
         """Count one optimizer step; sync if ``T`` steps have passed; write the next values.
 
         Call it after every optimizer step when not using :meth:`step`. ``batch``
@@ -394,11 +395,10 @@ class Engine:
         self._draw()
         self._write(force=True)
         if cfg.check_consistency and self.collective.world_size > 1:
-            check = getattr(self.collective, "check_same", None)
-            if check is not None:
-                state = torch.cat([torch.tensor([k.base for k in self.knobs], dtype=torch.float64),
-                                   self._slots.reshape(-1).to(torch.float64)])
-                check(state, f"knob bases and permutations after the sync at step {self.step_count}")
+            state = torch.cat([torch.tensor([k.base for k in self.knobs], dtype=torch.float64),
+                               self._slots.reshape(-1).to(torch.float64)])
+            self.collective.check_same(
+                state, f"knob bases and permutations after the sync at step {self.step_count}")
 
     def _controls_now(self) -> bool:
         """Whether the controller moves the bases at a sync at the current step."""

@@ -99,3 +99,16 @@ def test_shared_batch_without_batch_names_the_fix():
                         signal=hpx.SharedBatch())
     with pytest.raises(hpx.ConfigError, match="SharedBatch needs"):
         engine.advance()
+
+
+def test_shared_batch_with_per_replica_batches_scores_replica_0s(digits):
+    """With step(batches=[...]) every replica is scored on the first replica's batch."""
+    engine = hpx.Engine(mlp(), sgd(0.5), [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=1,
+                        signal=hpx.SharedBatch(), controller=False)
+    b0, b1 = list(batches(digits, 2, size=32))
+    with torch.no_grad():
+        expected = [F.cross_entropy(r.model.eval()(b0[0]), b0[1]).item() for r in engine.replicas]
+    for r in engine.replicas:
+        r.model.train()
+    engine.step(ce, batches=[b0, b1])
+    assert engine.history[-1].scores == pytest.approx(expected, rel=1e-6)

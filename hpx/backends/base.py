@@ -56,3 +56,14 @@ class Collective(Protocol):
     def broadcast_object(self, obj: object, src: int = 0) -> object:
         """Return rank ``src``'s picklable ``obj`` on every rank (for rare, small, host-side data)."""
         ...
+
+    def check_same(self, tensor: torch.Tensor, what: str) -> None:
+        """Raise :class:`~hpx.errors.ConsistencyError` on every rank if ranks' ``tensor`` differ.
+
+        ``what`` is a plural noun phrase naming the tensor ("knob bases"); the
+        message names the disagreeing ranks.
+        """
+        ...
+
+    # Optional: ``prepare_model(model) -> model``, called by the engine on the user's
+    # model before replicas are built (TorchDistributed gives a DDP model its NaN guard).
