@@ -8,9 +8,11 @@ either way: it never imports a concrete distributed backend.
 Per step (the hot path), the engine only writes knob values that changed,
 accumulates each replica's loss on its device and, in shared-gradient mode,
 averages gradients in a few flat buckets. It reads nothing back to the host.
-Every ``T = sync_every`` steps it syncs: scores the replicas (one host read),
-averages their weights, lets the controller move the bases, draws fresh
-permutations and writes the new values.
+At every sync (every ``T = sync_every`` steps, or when the search strategy asks)
+it scores the replicas (one host read), lets the strategy decide, merges the
+replicas' weights as it says, moves the bases, draws fresh permutations and
+writes the new values. How the bases move is the strategy's business
+(:mod:`hpx.search`); the engine has no branch for any particular one.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from hpx.errors import ConfigError, NonFiniteError
 from hpx.knobs.base import Knob
 from hpx.registry import Knobs
 from hpx.replica import Replica
+from hpx.search.base import Decision, Search, SyncView
+from hpx.search.hdet import HDET
 from hpx.signals import IntervalLoss, LossFn, Signal, SyncContext
 
 __all__ = ["Engine", "OptimizerFactory", "SyncRecord"]
@@ -58,6 +62,9 @@ class SyncRecord:
         weights: the controller's ``w_r``, or ``None`` if it did not run.
         direction: the controller's ``D_k`` per knob, or ``None``.
         sigma: the temperature used, or ``None``.
+        phase: the search strategy's phase (e.g. ``"bracket"``, ``"hold"``), or ``None``.
+        spreads: every knob's spread during the interval that ended (``alpha``;
+            ``log(span)`` for a geometric spread).
     """
 
     step: int
@@ -68,6 +75,8 @@ class SyncRecord:
     weights: list[float] | None = None
     direction: dict[str, float] | None = None
     sigma: float | None = None
+    phase: str | None = None
+    spreads: dict[str, float] | None = None
 
 
 class Engine:
@@ -83,11 +92,18 @@ class Engine:
         knobs: a :class:`~hpx.Knobs` registry or a sequence of knobs.
         backend: the :class:`~hpx.backends.Collective`; default in-process.
         signal: what replicas are compared on (default :class:`~hpx.IntervalLoss`).
+        search: the search strategy (:mod:`hpx.search`). ``None``: an
+            :class:`~hpx.search.HDET` built from the config's controller settings
+            (``warmup``, ``decay``, ``meta_lr``, ``momentum``, ...).
         config: an :class:`~hpx.EngineConfig`, or give its fields as keywords.
             ``controller=False`` switches the auto-update off; ``controller=obj``
             replaces hpx's :class:`~hpx.Controller` by any object with its
             ``update``, ``log_mask``, ``state_dict`` and ``load_state_dict``
             (its own settings then apply, not ``meta_lr``, ``momentum``, ...).
+
+    The recommended way to build an engine that finds the learning rate is
+    :func:`hpx.autolr`, which picks the strategy, spread, sync schedule and
+    signal from the run's length.
 
     Example::
 
@@ -105,6 +121,7 @@ class Engine:
         *,
         backend: Collective | None = None,
         signal: Signal | None = None,
+        search: Search | None = None,
         config: EngineConfig | None = None,
         **settings: Any,
     ) -> None:
@@ -129,10 +146,22 @@ class Engine:
         self.signal: Signal = signal if signal is not None else IntervalLoss()
         if not hasattr(self.signal, "measure"):
             raise ConfigError([f"signal must have a measure(ctx) method (got {self.signal!r})"])
-        self.controller = custom if custom is not None else Controller(
-            meta_lr=cfg.meta_lr, momentum=cfg.momentum, temperature=cfg.temperature,
-            temperature_scale=cfg.temperature_scale, space=cfg.space, debias=cfg.debias_momentum,
-        )
+        if search is not None:
+            if custom is not None:
+                raise ConfigError(["give search=... or controller=obj, not both (a custom controller "
+                                   "runs inside hpx.search.HDET(controller=obj))"])
+            missing = [m for m in ("start", "decide", "acts_at", "state_dict", "load_state_dict")
+                       if not callable(getattr(search, m, None))]
+            if missing:
+                raise ConfigError([f"search must implement hpx.search.Search; {search!r} lacks "
+                                   f"{', '.join(missing)}"])
+            self.search: Search = search
+        else:
+            controller = custom if custom is not None else Controller(
+                meta_lr=cfg.meta_lr, momentum=cfg.momentum, temperature=cfg.temperature,
+                temperature_scale=cfg.temperature_scale, space=cfg.space, debias=cfg.debias_momentum,
+            )
+            self.search = HDET(controller, warmup=cfg.warmup, decay=cfg.decay, active=cfg.controller)
 
         world, rank = self.collective.world_size, self.collective.rank
         in_process = isinstance(self.collective, InProcess)
@@ -149,7 +178,6 @@ class Engine:
         if prepare is not None:  # e.g. keep one rank's NaN gradient out of DDP's mean
             model = prepare(model)
         self.replicas = self._build_replicas(model, optimizer, local)
-        self._k_log = self.controller.log_mask([k.kind for k in self.knobs])
 
         # Start every replica from rank 0's weights, then (optionally) warm noise.
         states = [float_state(r.model) for r in self.replicas]
@@ -173,6 +201,10 @@ class Engine:
         self._acc_n = [0] * local
         self.step_count = 0
         self.history: list[SyncRecord] = []
+        self._next_sync = cfg.sync_every
+        empty = torch.empty(0, dtype=torch.float64)
+        self._apply(self.search.start(self._view(torch.empty(0, self.n_replicas, dtype=torch.float64),
+                                                 empty)))
         self._draw()
         self._write(force=True)
 
@@ -268,7 +300,7 @@ class Engine:
             parts = _split(batch, self.n_local)
         shared = batch if batches is None else parts[0]  # what signals score every replica on
         prepare = getattr(self.signal, "prepare", None)
-        if prepare is not None and (self.step_count + 1) % self.config.sync_every == 0:
+        if prepare is not None and self.step_count + 1 >= self._next_sync:
             prepare(SyncContext(self.replicas, self._acc, shared, loss_fn, self.collective,
                                 self.step_count))
         if self._grads is not None:
@@ -311,7 +343,7 @@ class Engine:
         and ``loss_fn`` are handed to signals that score replicas on a batch.
         """
         self.step_count += 1
-        if self.step_count % self.config.sync_every == 0:
+        if self.step_count >= self._next_sync:
             self._sync(batch, loss_fn)
         else:
             self._write()
@@ -335,15 +367,19 @@ class Engine:
         both = both.to("cpu", torch.float64)  # the one host read per sync
         return both[:, 0, :].reshape(-1), both[:, 1, :].reshape(-1)
 
-    def _converge(self, finite: torch.Tensor, *, average: bool) -> None:
+    def _converge(self, weights: torch.Tensor, *, average: bool) -> None:
+        """Set replicas to the ``weights``-weighted mean of all replicas (``[N]``, >= 0; a
+        replica with weight 0 is left out and always reset). ``average=False`` resets only
+        those."""
         cfg = self.config
-        local_ok = finite[self._first : self._first + self.n_local].tolist()
-        bad_local = [not ok for ok in local_ok]
+        finite = weights > 0
+        local_w = weights[self._first : self._first + self.n_local].tolist()
+        bad_local = [w == 0 for w in local_w]
         write = [True] * self.n_local if average else bad_local
         if not any(write) and not (~finite).any():
             return
-        w = [1.0 if ok else 0.0 for ok in local_ok]
-        total = float(finite.sum())
+        w = [float(x) for x in local_w]
+        total = float(weights.sum())
         average_([float_state(r.model) for r in self.replicas], w, total, self.collective,
                  write=write, bucket_cap_mb=cfg.bucket_cap_mb)
         opt_states = [optimizer_state_tensors(r.optimizer) for r in self.replicas]
@@ -366,24 +402,18 @@ class Engine:
         if bad:
             log.warning("step %d: replica(s) %s non-finite; left out and reset from the mean of the rest",
                         self.step_count, bad)
-        self._converge(finite, average=cfg.average)
-
+        scores = torch.where(finite, scores, math.nan)
         names = self.knobs.names
         rec = SyncRecord(
             step=self.step_count, bases={}, values={n: self._values[i].tolist() for i, n in enumerate(names)},
-            scores=torch.where(finite, scores, math.nan).tolist(), nonfinite=bad,
+            scores=scores.tolist(), nonfinite=bad, spreads={k.name: k.spread for k in self.knobs},
         )
-        if self._controls_now():
-            bases = torch.tensor([k.base for k in self.knobs], dtype=torch.float64)
-            decay = torch.tensor([cfg.decay if k.kind == "mul" else 0.0 for k in self.knobs],
-                                 dtype=torch.float64)
-            out = self.controller.update(self._values, torch.where(finite, scores, math.nan),
-                                         bases, self._k_log, decay)
-            for k, b in zip(self.knobs, out.bases.tolist()):
-                if k.explore:
-                    k.base = k.clamp(b)
-            rec.weights, rec.sigma = out.weights.tolist(), out.sigma
-            rec.direction = dict(zip(names, out.direction.tolist()))
+        decision = self.search.decide(self._view(self._values, scores))
+        self._converge(self._merge_weights(decision, finite), average=cfg.average)
+        self._apply(decision)
+        info = decision.info
+        rec.weights, rec.sigma, rec.direction = info.get("weights"), info.get("sigma"), info.get("direction")
+        rec.phase = info.get("phase")
         rec.bases = {k.name: k.base for k in self.knobs}
         self.history.append(rec)
         if log.isEnabledFor(logging.INFO):
@@ -401,9 +431,54 @@ class Engine:
                 state, f"knob bases and permutations after the sync at step {self.step_count}")
 
     def _controls_now(self) -> bool:
-        """Whether the controller moves the bases at a sync at the current step."""
-        cfg = self.config
-        return cfg.controller and self.step_count >= cfg.warmup and any(k.explore for k in self.knobs)
+        """Whether the search reads the scores at a sync at the current step."""
+        return self.search.acts_at(self.step_count) and any(k.explore for k in self.knobs)
+
+    def _view(self, values: torch.Tensor, scores: torch.Tensor) -> SyncView:
+        knobs = list(self.knobs)
+        f64 = torch.float64
+        return SyncView(
+            step=self.step_count, n_replicas=self.n_replicas, names=tuple(self.knobs.names),
+            kinds=tuple(k.kind for k in knobs),
+            explore=torch.tensor([k.explore for k in knobs], dtype=torch.bool),
+            spacing=tuple(k.spacing for k in knobs),
+            spreads=torch.tensor([k.spread for k in knobs], dtype=f64),
+            bases=torch.tensor([k.base for k in knobs], dtype=f64),
+            bounds=torch.tensor([[k.low, k.high] for k in knobs], dtype=f64).reshape(len(knobs), 2),
+            values=values, scores=scores,
+        )
+
+    def _merge_weights(self, decision: Decision, finite: torch.Tensor) -> torch.Tensor:
+        """``[N]`` float64 weights of the consensus: the strategy's, never on a non-finite replica."""
+        w = finite.to(torch.float64)
+        if decision.merge is not None:
+            m = torch.as_tensor(decision.merge, dtype=torch.float64).reshape(-1)
+            if m.numel() != self.n_replicas or not torch.isfinite(m).all() or (m < 0).any():
+                raise ValueError(f"the search's merge weights must be {self.n_replicas} finite numbers "
+                                 f">= 0 (got {m.tolist()})")
+            w = torch.where(finite, m, 0.0)
+            if not (w > 0).any():  # the strategy kept only non-finite replicas: fall back to the rest
+                w = finite.to(torch.float64)
+        return w
+
+    def _apply(self, decision: Decision) -> None:
+        """Write a decision's bases, spreads and next sync into the knobs and the schedule."""
+        knobs = list(self.knobs)
+        if decision.bases is not None:
+            for k, b in zip(knobs, torch.as_tensor(decision.bases, dtype=torch.float64).tolist()):
+                if k.explore:
+                    k.base = k.clamp(b)
+        if decision.spreads is not None or decision.spacing is not None:
+            spreads = ([k.spread for k in knobs] if decision.spreads is None
+                       else torch.as_tensor(decision.spreads, dtype=torch.float64).tolist())
+            spacing = decision.spacing or tuple(k.spacing for k in knobs)
+            for k, a, sp in zip(knobs, spreads, spacing):
+                if k.explore:
+                    k.set_spread(a, sp)
+        nxt = decision.next_sync if decision.next_sync is not None else self.config.sync_every
+        if not (isinstance(nxt, int) and not isinstance(nxt, bool) and nxt >= 1):
+            raise ValueError(f"the search's next_sync must be an integer >= 1 (got {nxt!r})")
+        self._next_sync = self.step_count + nxt
 
     def converge(self) -> torch.nn.Module:
         """Average every replica's weights now, leaving out non-finite ones, and
@@ -413,7 +488,7 @@ class Engine:
         finite = torch.isfinite(health)
         if not finite.any():
             raise NonFiniteError(f"all {self.n_replicas} replicas have non-finite weights")
-        self._converge(finite, average=True)
+        self._converge(finite.to(torch.float64), average=True)
         return self.replicas[0].model
 
     def _health(self) -> torch.Tensor:
@@ -426,6 +501,16 @@ class Engine:
     def model(self) -> torch.nn.Module:
         """Local replica 0's model (right after a sync, the consensus of all replicas)."""
         return self.replicas[0].model
+
+    @property
+    def controller(self) -> Any:
+        """The search strategy's controller (for :class:`~hpx.search.HDET`), or ``None``."""
+        return getattr(self.search, "controller", None)
+
+    @property
+    def next_sync(self) -> int:
+        """The step count at which the next sync runs."""
+        return self._next_sync
 
     @property
     def bases(self) -> dict[str, float]:
@@ -443,12 +528,13 @@ class Engine:
         models and optimizers, knobs, permutation stream, controller, step count,
         loss accumulators and history."""
         return {
-            "format": 1,
+            "format": 2,
             "n_replicas": self.n_replicas,
             "first": self._first,
             "step": self.step_count,
+            "next_sync": self._next_sync,
             "knobs": self.knobs.state_dict(),
-            "controller": self.controller.state_dict(),
+            "search": self.search.state_dict(),
             "slots": self._slots.clone(),
             "acc": self._acc.detach().cpu().clone(),
             "acc_n": list(self._acc_n),
@@ -465,8 +551,8 @@ class Engine:
         optimizers as they are: what a scheduler's checkpoint holds.
         """
         problems = []
-        if state.get("format") != 1:
-            problems.append(f"unknown checkpoint format {state.get('format')!r} (expected 1)")
+        if state.get("format") not in (1, 2):
+            problems.append(f"unknown checkpoint format {state.get('format')!r} (expected 1 or 2)")
         if state.get("n_replicas") != self.n_replicas:
             problems.append(
                 f"checkpoint has {state.get('n_replicas')} replicas, this engine {self.n_replicas}"
@@ -478,8 +564,13 @@ class Engine:
             r.model.load_state_dict(s["model"])
             r.optimizer.load_state_dict(s["optimizer"])
         self.knobs.load_state_dict(state["knobs"])
-        self.controller.load_state_dict(state["controller"])
+        if "search" in state:
+            self.search.load_state_dict(state["search"])
+        else:  # format 1: the controller's state alone
+            self.search.load_state_dict({"controller": state["controller"]})
         self.step_count = int(state["step"])
+        T = self.config.sync_every
+        self._next_sync = int(state.get("next_sync", (self.step_count // T + 1) * T))
         self._acc.copy_(state["acc"].to(self._acc))
         self._acc_n = list(state["acc_n"])
         self.history = [SyncRecord(**r) for r in state["history"]]
@@ -492,7 +583,8 @@ class Engine:
 
     def __repr__(self) -> str:
         return (f"Engine(replicas={self.n_replicas} ({self.n_local} local), step={self.step_count}, "
-                f"{self.knobs!r}, signal={self.signal!r}, backend={self.collective!r})")
+                f"{self.knobs!r}, search={self.search!r}, signal={self.signal!r}, "
+                f"backend={self.collective!r})")
 
 
 class _GradBuckets:

@@ -605,8 +605,10 @@ class _Driven:
 
     def __init__(self, engine: Engine, start: int) -> None:
         self.engine = engine
-        if start:
-            self._load({**engine.state_dict(), "step": start})
+        if start:  # resuming torch-style (last_epoch): syncs stay on multiples of sync_every
+            state = {**engine.state_dict(), "step": start}
+            del state["next_sync"]
+            self._load(state)
 
     @property
     def step_count(self) -> int:

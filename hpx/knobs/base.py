@@ -6,12 +6,15 @@ writes a value into that replica. Between syncs nothing about a knob changes
 except an optional per-step *scale* (a learning-rate schedule), so the hot path
 only writes values where they changed.
 
-Symbols (see ``shared/HDET.md``): ``b`` is the knob's base (centre), ``alpha`` its
+Symbols (see ``docs/method.md``): ``b`` is the knob's base (centre), ``alpha`` its
 spread, ``s`` a slot and ``pi`` the permutation that gives replica ``r`` the
 slot ``pi(r)``.
 
 * multiplicative knobs (learning rate, weight decay, temperature) give slot ``s``
-  the value ``b * rho_s`` with ``rho_s = 1 + alpha * u_s``;
+  the value ``b * rho_s`` with ``rho_s = 1 + alpha * u_s`` (the paper's linear
+  spread), or, with a geometric spread (``span``), ``rho_s = span ** u_s``: values
+  evenly spaced in log space from ``b / span`` to ``b * span``, which can look
+  several times further away than a linear spread (``alpha < 1``) ever can;
 * additive knobs (dropout, label smoothing) give ``b + alpha * u_s``, clamped to
   the knob's bounds;
 
@@ -32,12 +35,13 @@ from hpx.errors import ConfigError, NonFiniteError
 if TYPE_CHECKING:
     from hpx.replica import Replica
 
-__all__ = ["Custom", "Knob", "Setter", "slot_offsets"]
+__all__ = ["Custom", "Knob", "Setter", "Spacing", "slot_offsets"]
 
 Setter = Callable[[float], None]
 """Writes one value into one bound replica."""
 
 Kind = Literal["mul", "add"]
+Spacing = Literal["linear", "log"]
 
 
 def slot_offsets(n: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -68,6 +72,10 @@ class Knob:
             replica at bind time (for example a parameter group's ``lr``).
         spread: ``alpha``. For multiplicative knobs a ratio in ``[0, 1)``; for
             additive knobs an absolute amount in the knob's units.
+        span: a geometric spread for a multiplicative knob instead of ``spread``:
+            the replicas' values lie evenly in log space from ``b / span`` to
+            ``b * span`` (``span=4``: a quarter to four times the base). ``>= 1``;
+            1 is no spread. A search strategy may change it during the run.
         kind: ``"mul"`` (``b * rho_s``, for positive quantities) or ``"add"``
             (``b + alpha * u_s``, for bounded ones).
         bounds: ``(low, high)``; values and the base are kept inside. A
@@ -87,6 +95,7 @@ class Knob:
         kind: Kind = "mul",
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
+        span: float | None = None,
     ) -> None:
         problems: list[str] = []
         if not isinstance(name, str) or not name:
@@ -109,12 +118,25 @@ class Knob:
                 f"positive (got {spread}); for a wider search use a LearningRate base "
                 "closer to the expected optimum"
             )
+        if span is not None:
+            if not _is_real(span) or span < 1:
+                problems.append(f"span of {label} must be a number >= 1 (got {span!r}); the values "
+                                "then lie from base / span to base * span")
+            elif kind != "mul":
+                problems.append(f"span (a geometric spread) needs a multiplicative knob; {label} is "
+                                "additive: give spread=... in the knob's units")
+            if _is_real(spread) and spread != 0:
+                problems.append(f"give spread or span for {label}, not both (got spread={spread!r}, "
+                                f"span={span!r})")
         if base is not None:
             problems.extend(_base_problems(label, base, kind, low, high))
         ConfigError.check(problems)
         self.name = name
         self.kind = kind
-        self.spread = float(spread) if explore else 0.0
+        self.spacing: Spacing = "log" if span is not None else "linear"
+        width = math.log(span) if span is not None else float(spread)
+        self.spread = width if explore else 0.0
+        """``alpha``: the half-width in the knob's spacing (``log(span)`` for a geometric spread)."""
         self.low, self.high = low, high
         self.explore = bool(explore)
         self._initial_base = None if base is None else float(base)
@@ -144,6 +166,31 @@ class Knob:
         return 1.0
 
     @property
+    def span(self) -> float | None:
+        """The geometric spread factor (values from ``b / span`` to ``b * span``), or ``None``
+        for a linear spread."""
+        return math.exp(self.spread) if self.spacing == "log" else None
+
+    def set_spread(self, width: float, spacing: Spacing | None = None) -> None:
+        """Change the spread (``alpha`` in ``spacing``; ``log(span)`` for ``"log"``) for the
+        values drawn at the next sync. Used by search strategies; a knob that does not
+        explore keeps no spread."""
+        spacing = self.spacing if spacing is None else spacing
+        problems = []
+        if spacing not in ("linear", "log"):
+            problems.append(f"spacing of knob {self.name!r} must be 'linear' or 'log' (got {spacing!r})")
+        elif spacing == "log" and self.kind != "mul":
+            problems.append(f"knob {self.name!r} is additive: it has no geometric ('log') spread")
+        if not _is_real(width) or width < 0:
+            problems.append(f"spread of knob {self.name!r} must be a number >= 0 (got {width!r})")
+        elif spacing == "linear" and self.kind == "mul" and width >= 1:
+            problems.append(f"a linear spread of multiplicative knob {self.name!r} must be < 1 (got "
+                            f"{width}); use spacing='log' for a wider one")
+        ConfigError.check(problems)
+        self.spacing = spacing
+        self.spread = float(width) if self.explore else 0.0
+
+    @property
     def scheduled(self) -> bool:
         """Whether :meth:`scale` changes with the step (values then are written every step)."""
         return False
@@ -171,7 +218,9 @@ class Knob:
         """
         b = self.base if base is None else base
         u = slot_offsets(len(slots))[slots]
-        if self.kind == "mul":
+        if self.spacing == "log":
+            v = b * torch.exp(self.spread * u)
+        elif self.kind == "mul":
             v = b * (1.0 + self.spread * u)
         else:
             v = b + self.spread * u
@@ -187,7 +236,8 @@ class Knob:
         return v
 
     def state_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "base": self.base, "initial_base": self._initial_base}
+        return {"name": self.name, "base": self.base, "initial_base": self._initial_base,
+                "spread": self.spread, "spacing": self.spacing}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("name") != self.name:
@@ -195,12 +245,16 @@ class Knob:
                 [f"checkpoint holds knob {state.get('name')!r} where {self.name!r} was declared"]
             )
         self.base = float(state["base"])
+        if "spread" in state:  # a search strategy may have changed it during the run
+            self.spacing = state.get("spacing", "linear")
+            self.spread = float(state["spread"])
         ib = state.get("initial_base")
         self._initial_base = None if ib is None else float(ib)
 
     def _describe(self) -> str:
         base = "from replica" if self._initial_base is None else f"{self.base:.6g}"
-        return f"name={self.name!r}, base={base}, spread={self.spread:g}"
+        width = f"span={self.span:g}" if self.spacing == "log" else f"spread={self.spread:g}"
+        return f"name={self.name!r}, base={base}, {width}"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._describe()})"
@@ -228,6 +282,7 @@ class Custom(Knob):
         kind: Kind = "mul",
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
+        span: float | None = None,
     ) -> None:
         problems = []
         if not callable(set):
@@ -237,7 +292,8 @@ class Custom(Knob):
         if base is None and get is None:
             problems.append(f"knob {name!r} needs base=... or a get= function to read it")
         ConfigError.check(problems)
-        super().__init__(name, base=base, spread=spread, kind=kind, bounds=bounds, explore=explore)
+        super().__init__(name, base=base, spread=spread, kind=kind, bounds=bounds, explore=explore,
+                         span=span)
         self._set, self._get = set, get
 
     def bind(self, replica: Replica) -> Setter:

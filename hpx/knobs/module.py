@@ -51,12 +51,14 @@ class ModuleAttribute(Knob):
         kind: Kind = "mul",
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
+        span: float | None = None,
     ) -> None:
         if not isinstance(attribute, str) or not attribute.isidentifier():
             raise ConfigError([f"attribute of knob {name!r} must be an identifier (got {attribute!r})"])
         if modules is None and not self.default_types:
             raise ConfigError([f"knob {name!r} needs modules=... (names, a class or a function)"])
-        super().__init__(name, base=base, spread=spread, kind=kind, bounds=bounds, explore=explore)
+        super().__init__(name, base=base, spread=spread, kind=kind, bounds=bounds, explore=explore,
+                         span=span)
         self.attribute = attribute
         self.modules = modules
 
@@ -155,6 +157,7 @@ class AttentionTemperature(ModuleAttribute):
         spread: float = 0.0,
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
+        span: float | None = None,
     ) -> None:
         super().__init__(name, attribute=attribute, modules=modules, base=base, spread=spread,
-                         kind="mul", bounds=bounds, explore=explore)
+                         kind="mul", bounds=bounds, explore=explore, span=span)

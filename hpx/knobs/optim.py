@@ -37,10 +37,12 @@ class GroupKnob(Knob):
         spread: float = 0.0,
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
+        span: float | None = None,
     ) -> None:
         if not isinstance(group, (int, str)) or isinstance(group, bool):
             raise ConfigError([f"group of knob {name!r} must be an index or a name (got {group!r})"])
-        super().__init__(name, base=base, spread=spread, kind="mul", bounds=bounds, explore=explore)
+        super().__init__(name, base=base, spread=spread, kind="mul", bounds=bounds, explore=explore,
+                         span=span)
         self.group = group
 
     def _index(self, replica: Replica) -> int:
@@ -120,10 +122,12 @@ class LearningRate(GroupKnob):
         schedule: Callable[[int], float] | None = None,
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
+        span: float | None = None,
     ) -> None:
         if schedule is not None and not callable(schedule):
             raise ConfigError([f"schedule of knob {name!r} must be callable (got {schedule!r})"])
-        super().__init__(name, group=group, base=base, spread=spread, bounds=bounds, explore=explore)
+        super().__init__(name, group=group, base=base, spread=spread, bounds=bounds, explore=explore,
+                         span=span)
         self.schedule = schedule
 
     def scale(self, step: int) -> float:

@@ -1,0 +1,112 @@
+"""The interface between the engine and a search strategy.
+
+At every sync the engine hands the strategy a :class:`SyncView` (what the replicas
+were given and how they scored) and applies the :class:`Decision` it returns: new
+bases, new spreads, when to sync next, and how to merge the replicas' weights. The
+engine knows nothing else about how a strategy searches, and a strategy knows
+nothing about models, optimizers or processes: every rank calls it with the same
+view and gets the same decision, so ranks agree without further communication.
+
+A strategy is any object with ``start``, ``decide``, ``acts_at``, ``state_dict``
+and ``load_state_dict`` (:class:`Search`). hpx ships two: :class:`~hpx.search.HDET`
+(the paper's zero-order controller and hpx's log-space variant of it) and
+:class:`~hpx.search.Bracket` (bracket the optimum early, then hold).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Decision", "Search", "SyncView"]
+
+
+@dataclass(frozen=True)
+class SyncView:
+    """What a strategy sees at a sync (all tensors float64 on the CPU).
+
+    Attributes:
+        step: optimizer steps taken so far (the sync happens after this step).
+        n_replicas: ``N``.
+        names: the knobs' names, in order (``K`` of them).
+        kinds: each knob's kind, ``"mul"`` or ``"add"``.
+        explore: ``[K]`` bool, which knobs may move.
+        spacing: each knob's spread spacing, ``"linear"`` or ``"log"``.
+        spreads: ``[K]`` each knob's ``alpha`` in its spacing.
+        bases: ``[K]`` the current bases ``b_k``.
+        bounds: ``[K, 2]`` each knob's ``(low, high)``.
+        values: ``[K, N]`` knob ``k``'s value on replica ``r`` during the interval
+            that ended (before any schedule factor).
+        scores: ``[N]`` each replica's score, lower is better; ``nan`` where the
+            replica's score or weights are non-finite.
+    """
+
+    step: int
+    n_replicas: int
+    names: tuple[str, ...]
+    kinds: tuple[str, ...]
+    explore: torch.Tensor
+    spacing: tuple[str, ...]
+    spreads: torch.Tensor
+    bases: torch.Tensor
+    bounds: torch.Tensor
+    values: torch.Tensor
+    scores: torch.Tensor
+
+    @property
+    def finite(self) -> torch.Tensor:
+        """``[N]`` bool: replicas whose score (and weights) are finite."""
+        return torch.isfinite(self.scores)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the engine does after a sync. ``None`` everywhere leaves things as they are.
+
+    Attributes:
+        bases: ``[K]`` new bases (the engine keeps them inside each knob's bounds;
+            knobs that do not explore are not moved).
+        spreads: ``[K]`` new ``alpha`` per knob, in ``spacing``, for the values
+            drawn now.
+        spacing: new spacing per knob (``"log"`` only for multiplicative knobs).
+        next_sync: steps until the next sync (``>= 1``); ``None``: the engine's
+            ``sync_every``.
+        merge: ``[N]`` non-negative weight of each replica in the consensus that
+            every replica is set to (a replica with weight 0 is left out and reset
+            from the others); ``None``: equal weights over finite replicas.
+            Non-finite replicas always get weight 0.
+        info: diagnostics for the history (``weights``, ``direction``, ``sigma``,
+            ``phase``, ...).
+    """
+
+    bases: torch.Tensor | None = None
+    spreads: torch.Tensor | None = None
+    spacing: tuple[str, ...] | None = None
+    next_sync: int | None = None
+    merge: torch.Tensor | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Search(Protocol):
+    """A search strategy: decides at each sync from the replicas' scores."""
+
+    def start(self, view: SyncView) -> Decision:
+        """Called once when the engine is built (``view.step`` is the start step and
+        ``view.scores`` is empty): the initial spreads and the first sync."""
+        ...
+
+    def decide(self, view: SyncView) -> Decision:
+        """Called at every sync, after the scores are gathered and before the merge."""
+        ...
+
+    def acts_at(self, step: int) -> bool:
+        """Whether a sync at ``step`` reads the scores (the engine then insists that
+        every replica recorded a loss when the signal is the training loss)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -1,0 +1,236 @@
+"""Bracket the best value early in the run, then hold it.
+
+Why not follow the replicas' comparison all run long (what :class:`~hpx.search.HDET`
+does)? In shared-gradient mode the replicas differ only by how far each went along
+the interval's common update, so a sync compares points on one line: a line search.
+Once the fast directions of the loss have settled at the current learning rate,
+that comparison prefers a shorter step *whatever the learning rate is* (a shorter
+step averages out the noise of the path; measured on every benchmark task, from
+10x too low as much as from the right value), and a controller that follows it
+walks the lr down for the rest of the run. Early in the run, before the loss has
+settled, the comparison does carry the information that matters: from too low a
+value the longer steps win by a wide margin, from too high a value the longer
+steps lose by a wide margin.
+
+So :class:`Bracket` searches only in a window at the start of the run, with a wide
+geometric spread and frequent syncs, and stops as soon as the optimum is
+bracketed, the way a line search brackets a minimum:
+
+1. *Burn-in*: the first ``burn_in`` syncs only merge the replicas (in the first
+   steps every replica improves fast, and the comparison favours the longest step
+   at any value).
+2. *Expand*: at each sync fit the replicas' scores against their coordinate ``z``
+   (``log(value / base)`` for a geometric spread, ``value - base`` for a linear
+   one) with a parabola and move the base to the fit's minimum over the explored
+   range ``[-alpha, alpha]``. While the minimum sits at the range's edge the base
+   keeps moving, by up to ``span`` per sync.
+3. *Bracketed*: the first time the fitted minimum points back (a reversal), the
+   optimum lies between the last two bases: the base goes to their midpoint (in
+   ``z``) and the knob stops. A minimum well inside the range (``|z*| <
+   interior * alpha``) also stops it, at ``z*``.
+4. *Hold*: when every exploring knob has stopped, or the window has passed, the
+   spreads drop to ``hold_span`` (1: none, so the run continues as plain training
+   at the chosen values and costs nothing more) and syncs become rare.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+from typing import Any
+
+import torch
+
+from hpx.errors import ConfigError
+from hpx.search.base import Decision, SyncView
+
+__all__ = ["Bracket"]
+
+_GRID = 201  # points on which the fitted parabola's minimum is looked up
+
+
+class Bracket:
+    """Find each knob's value in a bracketing window early in the run, then hold it.
+
+    Args:
+        total_steps: the run's length in optimizer steps; the window and the sync
+            intervals are fractions of it.
+        window: the fraction of the run in which the search may move bases
+            (default 0.15: the warm-up of most schedules and a little more).
+        span: the bracket's width: during the window multiplicative knobs spread
+            geometrically from ``b / span`` to ``b * span`` (and move by up to
+            ``span`` per sync). Additive knobs keep their own ``spread``.
+        syncs: syncs in the window (its interval is ``window * total_steps /
+            syncs`` steps).
+        burn_in: syncs at the start that only merge.
+        interior: a fitted minimum within ``interior * alpha`` of the base stops
+            the knob there; 0 stops knobs only on a reversal.
+        hold_span: the geometric spread of multiplicative knobs after the search
+            (1: none). Additive knobs then keep ``hold_spread`` times their spread.
+        hold_spread: see ``hold_span``.
+        hold_syncs: syncs after the window (weights and buffers averaged, no
+            search), spread evenly over the rest of the run.
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        window: float = 0.15,
+        span: float = 2.0,
+        syncs: int = 10,
+        burn_in: int = 1,
+        interior: float = 0.0,
+        hold_span: float = 1.0,
+        hold_spread: float = 0.0,
+        hold_syncs: int = 10,
+    ) -> None:
+        problems = []
+        if not _is_int(total_steps) or total_steps < 1:
+            problems.append(f"total_steps must be an integer >= 1 (got {total_steps!r})")
+        if not _is_real(window) or not 0 < window <= 1:
+            problems.append(f"window must be a fraction of the run in (0, 1] (got {window!r})")
+        if not _is_real(span) or span <= 1:
+            problems.append(f"span must be a number > 1 (got {span!r}): the bracket runs from "
+                            "base / span to base * span")
+        if not _is_int(syncs) or syncs < 1:
+            problems.append(f"syncs must be an integer >= 1 (got {syncs!r})")
+        if not _is_int(burn_in) or burn_in < 0:
+            problems.append(f"burn_in must be an integer >= 0 (got {burn_in!r})")
+        if not _is_real(interior) or not 0 <= interior < 1:
+            problems.append(f"interior must be a number in [0, 1) (got {interior!r})")
+        if not _is_real(hold_span) or hold_span < 1:
+            problems.append(f"hold_span must be a number >= 1 (got {hold_span!r})")
+        if not _is_real(hold_spread) or hold_spread < 0:
+            problems.append(f"hold_spread must be a number >= 0 (got {hold_spread!r})")
+        if not _is_int(hold_syncs) or hold_syncs < 1:
+            problems.append(f"hold_syncs must be an integer >= 1 (got {hold_syncs!r})")
+        ConfigError.check(problems)
+        self.total_steps, self.window, self.span = int(total_steps), float(window), float(span)
+        self.syncs, self.burn_in, self.interior = int(syncs), int(burn_in), float(interior)
+        self.hold_span, self.hold_spread, self.hold_syncs = float(hold_span), float(hold_spread), int(hold_syncs)
+        self.end = max(1, round(self.window * self.total_steps))  # the last step the window covers
+        self.every = max(1, self.end // self.syncs)
+        self.hold_every = max(1, (self.total_steps - self.end) // self.hold_syncs)
+        # the search's state (what a checkpoint holds)
+        self.n_syncs = 0
+        self.moves: list[float] = []       # per knob, the last move in z (0: none yet)
+        self.stopped: list[bool] = []      # per knob
+        self.done = False
+        self._spreads: torch.Tensor | None = None  # the knobs' spreads as declared (additive ones)
+
+    # --- the Search interface -----------------------------------------------------------
+
+    def start(self, view: SyncView) -> Decision:
+        k = len(view.names)
+        if not self.moves:
+            self.moves, self.stopped = [0.0] * k, [not bool(e) for e in view.explore]
+        self._spreads = view.spreads.clone()
+        if self.done:  # resumed after the window
+            return self._hold(view)
+        spreads, spacing = self._bracket_spreads(view)
+        return Decision(spreads=spreads, spacing=spacing, next_sync=self._next(view.step),
+                        info={"phase": "bracket"})
+
+    def acts_at(self, step: int) -> bool:
+        return not self.done and self.n_syncs >= self.burn_in and step <= self.end
+
+    def decide(self, view: SyncView) -> Decision:
+        self.n_syncs += 1
+        if self.done:
+            return Decision(next_sync=self.hold_every, info={"phase": "hold"})
+        if self.n_syncs <= self.burn_in and view.step < self.end:
+            return Decision(next_sync=self._next(view.step), info={"phase": "burn-in"})
+        bases = view.bases.clone()
+        fitted: dict[str, float] = {}
+        for i, name in enumerate(view.names):
+            if self.stopped[i]:
+                continue
+            best = self._fit(view, i)
+            if best is None:  # fewer than two distinct finite values: nothing to compare
+                continue
+            fitted[name] = best
+            prev = self.moves[i]
+            if prev * best < 0:  # the fit points back: the optimum is between the last two bases
+                move, self.stopped[i] = -prev / 2, True
+            else:
+                move = best
+                if abs(best) < self.interior * float(view.spreads[i]):
+                    self.stopped[i] = True
+            self.moves[i] = move
+            b = float(bases[i])
+            bases[i] = b * math.exp(move) if view.spacing[i] == "log" else b + move
+        info = {"phase": "bracket", "fitted": fitted}
+        if all(self.stopped) or view.step + self._next(view.step) > self.end:
+            self.done = True
+            hold = self._hold(view)
+            return Decision(bases=bases, spreads=hold.spreads, spacing=hold.spacing,
+                            next_sync=hold.next_sync, info={**info, "phase": "bracketed"})
+        return Decision(bases=bases, next_sync=self._next(view.step), info=info)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n_syncs": self.n_syncs, "moves": list(self.moves), "stopped": list(self.stopped),
+                "done": self.done}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.n_syncs = int(state["n_syncs"])
+        self.moves = [float(m) for m in state["moves"]]
+        self.stopped = [bool(s) for s in state["stopped"]]
+        self.done = bool(state["done"])
+
+    def __repr__(self) -> str:
+        return (f"Bracket(total_steps={self.total_steps}, window={self.window:g}, span={self.span:g}, "
+                f"syncs={self.syncs}, burn_in={self.burn_in}, hold_span={self.hold_span:g})")
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _next(self, step: int) -> int:
+        """Steps to the next sync in the window (the last one lands on its end)."""
+        return max(1, min(self.every, self.end - step)) if step < self.end else self.hold_every
+
+    def _bracket_spreads(self, view: SyncView) -> tuple[torch.Tensor, tuple[str, ...]]:
+        spreads = view.spreads.clone()
+        spacing = list(view.spacing)
+        for i, kind in enumerate(view.kinds):
+            if kind == "mul" and bool(view.explore[i]):
+                spreads[i], spacing[i] = math.log(self.span), "log"
+        return spreads, tuple(spacing)
+
+    def _hold(self, view: SyncView) -> Decision:
+        assert self._spreads is not None
+        spreads = self._spreads * self.hold_spread
+        spacing = list(view.spacing)
+        for i, kind in enumerate(view.kinds):
+            if kind == "mul":
+                spreads[i], spacing[i] = math.log(self.hold_span), "log"
+        return Decision(spreads=spreads, spacing=tuple(spacing), next_sync=self.hold_every,
+                        info={"phase": "hold"})
+
+    def _fit(self, view: SyncView, i: int) -> float | None:
+        """The minimum over ``[-alpha, alpha]`` of a parabola fitted to score against ``z``."""
+        ok = view.finite
+        v, s = view.values[i, ok], view.scores[ok]
+        b = float(view.bases[i])
+        z = (v / b).log() if view.spacing[i] == "log" else v - b
+        w = float(view.spreads[i])
+        distinct = torch.unique(z).numel()
+        if distinct < 2 or w <= 0:
+            return None
+        sd = float(s.std()) if s.numel() > 1 else 0.0
+        if not sd > 0:
+            return 0.0  # every replica scored the same: no preference
+        y = (s - s.mean()) / sd
+        zn = z / w  # in [-1, 1]: keeps the fit well conditioned at any scale
+        cols = [torch.ones_like(zn), zn] + ([zn * zn] if distinct >= 3 else [])
+        coef = torch.linalg.lstsq(torch.stack(cols, 1), y[:, None]).solution.reshape(-1)
+        grid = torch.linspace(-1.0, 1.0, _GRID, dtype=torch.float64)
+        pred = coef[0] + coef[1] * grid + (coef[2] * grid * grid if distinct >= 3 else 0.0)
+        return float(grid[int(pred.argmin())]) * w
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
