@@ -152,9 +152,38 @@ def paper_knobs(task: Task, lr: float, knobs: list) -> tuple[list, dict[str, Any
     return knobs, dict(space="linear", temperature=0.1, warmup=warm, decay=1 - 0.01 ** (1 / syncs_after))
 
 
+def _factory_at(task: Task, lr: float):
+    """The task's optimizer built with ``lr`` as every group's (peak) learning rate."""
+    def factory(model):
+        opt = task.optimizer(model)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        return opt
+    return factory
+
+
+def _build_autolr(task: Task, spec: RunSpec, model, v: dict[str, Any]):
+    """The recommended setup, as a user would write it: hpx.autolr with the task's schedule and
+    probe split. ``v["bracket"]`` (experiments only) replaces the strategy's defaults."""
+    def probe_fn(rep, batch):
+        return task.probe_loss(rep.model, batch)
+
+    kwargs = dict(total_steps=task.steps, schedule=task.schedule(), probe=task.probe_batches(),
+                  loss_fn=probe_fn, replicas=REPLICAS, seed=spec.seed)
+    if "bracket" not in v:
+        return hpx.autolr(model, _factory_at(task, spec.lr), **kwargs)
+    from hpx.search import Bracket
+    signal = hpx.ProbeStream(kwargs["probe"], loss_fn=probe_fn)
+    knobs = hpx.Knobs(hpx.LearningRateScale("lr", schedule=kwargs["schedule"]))
+    return hpx.Engine(model, _factory_at(task, spec.lr), knobs, signal=signal, replicas=REPLICAS,
+                      seed=spec.seed, search=Bracket(task.steps, **v["bracket"]))
+
+
 def _run_hpx(task: Task, spec: RunSpec) -> dict[str, Any]:
     v = VARIANTS[spec.variant]
     model = task.model(spec.seed)
+    if v.get("recipe") == "autolr":
+        return _drive(task, spec, _build_autolr(task, spec, model, v), None, "probe", scale=spec.lr)
     paper = v.get("paper", False)
     steps = task.steps
     knobs = task.knobs(spec.lr, LR_SPREAD * v.get("spread", 1.0), task.schedule(), scale=v.get("spread", 1.0))
@@ -171,6 +200,14 @@ def _run_hpx(task: Task, spec: RunSpec) -> dict[str, Any]:
     # True/False (hpx's controller or none), or an experimental controller object
     settings["controller"] = make_controller(v.get("controller", True), registry, settings, steps)
     engine = hpx.Engine(model, task.optimizer, registry, signal=signal, **settings)
+    return _drive(task, spec, engine, signal, v.get("signal", "probe"))
+
+
+def _drive(task: Task, spec: RunSpec, engine: hpx.Engine, signal: Any, signal_kind: str,
+           scale: float = 1.0) -> dict[str, Any]:
+    """Train ``engine`` for the task's steps; the validation curve, history and costs.
+    ``scale`` turns the lr knobs' bases into learning rates (autolr's base is a factor)."""
+    steps = task.steps
 
     def loss_fn(rep, batch):
         return task.loss(rep.model, batch, rep._values)
@@ -188,7 +225,7 @@ def _run_hpx(task: Task, spec: RunSpec) -> dict[str, Any]:
             acc += lt
             if observe is not None:
                 observe(engine)
-            if engine.step_count % task.sync_every == 0:
+            if engine.step_count % task.sync_every == 0:  # the training-loss curve's points
                 train.append((engine.step_count, float(acc.mean()) / task.sync_every))
                 acc.zero_()
             if t + 1 in points:
@@ -205,7 +242,7 @@ def _run_hpx(task: Task, spec: RunSpec) -> dict[str, Any]:
     return {
         "curve": curve, "train": train, "diverged": diverged,
         "history": [asdict(r) for r in engine.history],
-        "end_lr": {k: b for k, b in engine.bases.items()},
+        "end_lr": {k: b * scale if k.startswith("lr") else b for k, b in engine.bases.items()},
         "train_samples": steps * task.batch,
-        "signal_samples": syncs * signal_cost(v.get("signal", "probe"), task, REPLICAS),
+        "signal_samples": syncs * signal_cost(signal_kind, task, REPLICAS),
     }

@@ -6,6 +6,9 @@
   named parameter groups, weight decay, dropout, label smoothing, attention temperature).
 * ``cnn``: a small CNN with BatchNorm on the digits images, SGD + momentum; two knobs
   (lr, weight decay). Compared on validation accuracy as well as loss.
+* ``gru``: a character-level GRU on the same text, trained with Adam for a longer run
+  (1000 steps); one knob (lr). Used by the acceptance benchmark of the recommended setup
+  (``python -m benchmarks.acceptance``), not by the suite.
 
 Every task has a fixed train / probe / validation split (the split does not depend
 on the run's seed; the seed sets the initial weights and the batch order). Plain
@@ -369,6 +372,58 @@ class CharLM(Task):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
+class CharGRU(Task):
+    """A recurrent model on the same text: embedding, one GRU layer, a linear head; Adam, no
+    regularisers. Another family than the transformer (sequential state, no attention), and a
+    longer run with a smaller batch."""
+
+    CTX = 32
+
+    def data(self):
+        d = _text()
+        if "gru_probe" not in d:
+            g = torch.Generator().manual_seed(77)
+            d["gru_probe"] = [self._windows(d["probe_ids"], 64, g) for _ in range(2)]
+            d["gru_val"] = [self._windows(d["val_ids"], 128, g) for _ in range(4)]
+        return {**d, "probe": d["gru_probe"], "val": d["gru_val"]}
+
+    _windows = CharLM._windows
+
+    def sample(self, gen, size):
+        return self._windows(_text()["train"], size, gen)
+
+    def model(self, seed):
+        return _init(_GRULM(_text()["vocab"]), seed)
+
+    def optimizer(self, model):
+        return torch.optim.Adam(model.parameters(), lr=0.0)
+
+    def knobs(self, lr, spread, schedule, scale=1.0):
+        return [hpx.LearningRate("lr", base=lr, spread=spread * scale, schedule=schedule)]
+
+    def loss(self, model, batch, values=None):
+        x, y = batch
+        logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    probe_loss = loss
+
+    def chance_loss(self):
+        return math.log(_text()["vocab"])
+
+
+class _GRULM(nn.Module):
+    def __init__(self, vocab: int, d: int = 32, hidden: int = 96) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.rnn = nn.GRU(d, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, vocab)
+
+    def forward(self, idx):
+        h, _ = self.rnn(self.tok(idx))
+        return self.head(h)
+
+
 TASKS: dict[str, Callable[..., Task]] = {
     "mlp": lambda **kw: DigitsMLP(**{"name": "mlp", "title": "digits MLP 64-128-10 (SGD)", "steps": 600,
                                      "batch": 64, "sync_every": 20, "grid_center": 0.3, **kw}),
@@ -379,6 +434,9 @@ TASKS: dict[str, Callable[..., Task]] = {
     "cnn": lambda **kw: DigitsCNN(**{"name": "cnn", "title": "digits CNN + BatchNorm (SGD)",
                                      "steps": 600, "batch": 64, "sync_every": 20, "grid_center": 0.1,
                                      "metric": "acc", **kw}),
+    "gru": lambda **kw: CharGRU(**{"name": "gru", "title": "char GRU (d 32, hidden 96, ctx 32), pydoc, Adam",
+                                   "steps": 1000, "batch": 16, "sync_every": 25, "grid_center": 1e-2,
+                                   **kw}),
 }
 
 

@@ -36,6 +36,7 @@ __all__ = ["VARIANTS", "EmaProbe", "SignificanceController", "build_signal", "ma
 # name -> settings. signal: interval | shared | probe | ema-probe. controller: True (hpx's),
 # False (none), or a dict for the experimental controllers below.
 VARIANTS: dict[str, dict[str, Any]] = {
+    "autolr": {"recipe": "autolr"},
     "default": {"signal": "probe"},
     "interval": {"signal": "interval"},
     "shared-batch": {"signal": "shared"},

@@ -7,6 +7,7 @@ weights are averaged (converge) and a zero-order controller moves every base
 toward the better-scoring side.
 """
 
+from hpx import search
 from hpx.backends import Collective, InProcess
 from hpx.config import EngineConfig
 from hpx.controller import Controller, ControllerStep, softmax_weights
@@ -20,10 +21,12 @@ from hpx.knobs import (
     Knob,
     LabelSmoothing,
     LearningRate,
+    LearningRateScale,
     ModuleAttribute,
     WeightDecay,
     slot_offsets,
 )
+from hpx.recipe import autolr
 from hpx.registry import Knobs
 from hpx.replica import Replica
 from hpx.schedule import ExploreLR, OneCycleLR, OneCyclePlan, explore_knobs
@@ -51,6 +54,7 @@ __all__ = [
     "Knobs",
     "LabelSmoothing",
     "LearningRate",
+    "LearningRateScale",
     "ModuleAttribute",
     "NonFiniteError",
     "OneCycleLR",
@@ -63,11 +67,13 @@ __all__ = [
     "SyncRecord",
     "WeightDecay",
     "__version__",
+    "autolr",
     "explore_knobs",
     "format_history",
     "load_history",
     "plot_history",
     "save_history",
+    "search",
     "slot_offsets",
     "softmax_weights",
 ]

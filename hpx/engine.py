@@ -57,7 +57,9 @@ class SyncRecord:
         bases: every knob's base after the sync.
         values: every knob's values on the ``N`` replicas during the interval
             that ended (before any schedule factor).
-        scores: each replica's score (lower is better); ``nan`` where non-finite.
+        scores: each replica's score (lower is better); ``nan`` where non-finite. The
+            signal's scores when the search read them; otherwise (a warm-up, a hold) the
+            replicas' mean training loss over the interval, which costs nothing.
         nonfinite: global indices of replicas left out and reset.
         weights: the controller's ``w_r``, or ``None`` if it did not run.
         direction: the controller's ``D_k`` per knob, or ``None``.
@@ -300,7 +302,7 @@ class Engine:
             parts = _split(batch, self.n_local)
         shared = batch if batches is None else parts[0]  # what signals score every replica on
         prepare = getattr(self.signal, "prepare", None)
-        if prepare is not None and self.step_count + 1 >= self._next_sync:
+        if prepare is not None and self.step_count + 1 >= self._next_sync and self._controls_now(1):
             prepare(SyncContext(self.replicas, self._acc, shared, loss_fn, self.collective,
                                 self.step_count))
         if self._grads is not None:
@@ -359,8 +361,11 @@ class Engine:
                  "Engine.step, or call Engine.record(loss) every step (or pass the loss to the "
                  "scheduler's step(loss))"]
             )
-        ctx = SyncContext(self.replicas, interval, batch, loss_fn, self.collective, self.step_count)
-        scores = self.signal.measure(ctx).detach().reshape(-1).to(self._acc.device, torch.float32)
+        if self._controls_now():
+            ctx = SyncContext(self.replicas, interval, batch, loss_fn, self.collective, self.step_count)
+            scores = self.signal.measure(ctx).detach().reshape(-1).to(self._acc.device, torch.float32)
+        else:  # the search will not read them: the interval's loss (free) stands in, for the record
+            scores = interval.to(torch.float32)
         if scores.numel() != self.n_local:
             raise ValueError(f"signal returned {scores.numel()} scores for {self.n_local} local replicas")
         both = self.collective.all_gather(torch.stack([scores, self._health().to(scores)]))  # [W, 2, L]
@@ -430,9 +435,10 @@ class Engine:
             self.collective.check_same(
                 state, f"knob bases and permutations after the sync at step {self.step_count}")
 
-    def _controls_now(self) -> bool:
-        """Whether the search reads the scores at a sync at the current step."""
-        return self.search.acts_at(self.step_count) and any(k.explore for k in self.knobs)
+    def _controls_now(self, ahead: int = 0) -> bool:
+        """Whether the search reads the scores at a sync ``ahead`` steps from now (the signal
+        is only asked for scores then)."""
+        return self.search.acts_at(self.step_count + ahead) and any(k.explore for k in self.knobs)
 
     def _view(self, values: torch.Tensor, scores: torch.Tensor) -> SyncView:
         knobs = list(self.knobs)

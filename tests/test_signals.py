@@ -32,7 +32,7 @@ def test_identical_replicas_score_identically_on_shared_data(digits):
 def test_shared_batch_scores_before_training_on_the_batch(digits):
     """The sync step's batch is scored by the replicas as they were before that step."""
     engine = hpx.Engine(mlp(), sgd(0.5), [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=3,
-                        signal=hpx.SharedBatch(), controller=False)
+                        signal=hpx.SharedBatch(), meta_lr=0.0)
     bs = list(batches(digits, 3))
     for b in bs[:2]:
         engine.step(ce, b)
@@ -104,7 +104,7 @@ def test_shared_batch_without_batch_names_the_fix():
 def test_shared_batch_with_per_replica_batches_scores_replica_0s(digits):
     """With step(batches=[...]) every replica is scored on the first replica's batch."""
     engine = hpx.Engine(mlp(), sgd(0.5), [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=1,
-                        signal=hpx.SharedBatch(), controller=False)
+                        signal=hpx.SharedBatch(), meta_lr=0.0)
     b0, b1 = list(batches(digits, 2, size=32))
     with torch.no_grad():
         expected = [F.cross_entropy(r.model.eval()(b0[0]), b0[1]).item() for r in engine.replicas]
@@ -112,3 +112,23 @@ def test_shared_batch_with_per_replica_batches_scores_replica_0s(digits):
         r.model.train()
     engine.step(ce, batches=[b0, b1])
     assert engine.history[-1].scores == pytest.approx(expected, rel=1e-6)
+
+
+def test_signal_is_not_asked_when_the_search_does_not_read_it(digits):
+    """Before the controller's warm-up (or with it off) a sync costs no scoring: the interval's
+    training loss is recorded instead."""
+
+    class Refuses:
+        def prepare(self, ctx):
+            raise AssertionError("prepare called")
+
+        def measure(self, ctx):
+            raise AssertionError("measure called")
+
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=3,
+                        signal=Refuses(), warmup=100)
+    losses = torch.zeros(2)
+    for b in batches(digits, 3):
+        losses += engine.step(ce, b)
+    assert engine.history[-1].scores == pytest.approx((losses / 3).tolist(), rel=1e-5)
+    assert engine.history[-1].weights is None

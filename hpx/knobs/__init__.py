@@ -3,7 +3,7 @@
 from hpx.knobs.base import Custom, Knob, Setter, slot_offsets
 from hpx.knobs.loss import LabelSmoothing
 from hpx.knobs.module import AttentionTemperature, Dropout, ModuleAttribute, ModuleSelector
-from hpx.knobs.optim import GroupKnob, LearningRate, WeightDecay
+from hpx.knobs.optim import GroupKnob, LearningRate, LearningRateScale, WeightDecay
 
 __all__ = [
     "AttentionTemperature",
@@ -13,6 +13,7 @@ __all__ = [
     "Knob",
     "LabelSmoothing",
     "LearningRate",
+    "LearningRateScale",
     "ModuleAttribute",
     "ModuleSelector",
     "Setter",

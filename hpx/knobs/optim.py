@@ -13,7 +13,7 @@ from hpx.knobs.base import Knob, Setter
 if TYPE_CHECKING:
     from hpx.replica import Replica
 
-__all__ = ["GroupKnob", "LearningRate", "WeightDecay"]
+__all__ = ["GroupKnob", "LearningRate", "LearningRateScale", "WeightDecay"]
 
 
 class GroupKnob(Knob):
@@ -145,3 +145,67 @@ class WeightDecay(GroupKnob):
 
     def __init__(self, name: str = "weight_decay", **kwargs) -> None:
         super().__init__(name, **kwargs)
+
+
+class LearningRateScale(Knob):
+    """One factor on the learning rate of every parameter group, keeping their ratios.
+
+    Replica ``r`` trains group ``g`` at ``lr_g * b * rho_pi(r) * schedule(t)``, where
+    ``lr_g`` is the group's learning rate when the knob is bound (the one the
+    optimizer was built with). The base ``b`` starts at 1: the search learns one
+    correction for the whole optimizer, which is what "find the learning rate"
+    means when the groups' ratios are part of the recipe (no decay on norms, a
+    smaller lr for embeddings, ...). :func:`hpx.autolr` explores this knob.
+
+    Args:
+        schedule: ``f(step) -> factor`` shared by every group (a warm-up, a cosine),
+            or ``None`` for a constant.
+        base, spread, span, bounds, explore: as for :class:`~hpx.Knob` (``base``
+            defaults to 1).
+    """
+
+    def __init__(
+        self,
+        name: str = "lr",
+        *,
+        schedule: Callable[[int], float] | None = None,
+        base: float = 1.0,
+        spread: float = 0.0,
+        span: float | None = None,
+        bounds: tuple[float, float] | None = None,
+        explore: bool = True,
+    ) -> None:
+        if schedule is not None and not callable(schedule):
+            raise ConfigError([f"schedule of knob {name!r} must be callable (got {schedule!r})"])
+        super().__init__(name, base=base, spread=spread, kind="mul", bounds=bounds, explore=explore,
+                         span=span)
+        self.schedule = schedule
+
+    def scale(self, step: int) -> float:
+        return 1.0 if self.schedule is None else float(self.schedule(step))
+
+    @property
+    def scheduled(self) -> bool:
+        return self.schedule is not None
+
+    def bind(self, replica: Replica) -> Setter:
+        opt = replica.optimizer
+        lrs = []
+        for i, g in enumerate(opt.param_groups):
+            lr = g.get("initial_lr", g["lr"])
+            lr = lr.item() if hasattr(lr, "item") else float(lr)
+            if lr < 0:
+                raise ConfigError([f"knob {self.name!r}: parameter group {i} has a negative lr ({lr})"])
+            lrs.append(lr)
+        if not any(lr > 0 for lr in lrs):
+            raise ConfigError([f"knob {self.name!r} scales the optimizer's learning rates, but every "
+                               f"group's lr is 0 ({lrs}): build the optimizer with the lr you would use"])
+
+        def setter(value: float) -> None:
+            for g, lr in zip(opt.param_groups, lrs):  # looked up each time: load_state_dict replaces them
+                if torch.is_tensor(g["lr"]):
+                    g["lr"].fill_(lr * value)
+                else:
+                    g["lr"] = lr * value
+
+        return setter

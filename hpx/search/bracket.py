@@ -56,7 +56,8 @@ class Bracket:
         total_steps: the run's length in optimizer steps; the window and the sync
             intervals are fractions of it.
         window: the fraction of the run in which the search may move bases
-            (default 0.15: the warm-up of most schedules and a little more).
+            (default 0.1: the comparison carries information about the learning
+            rate only before the loss settles at the current one).
         span: the bracket's width: during the window multiplicative knobs spread
             geometrically from ``b / span`` to ``b * span`` (and move by up to
             ``span`` per sync). Additive knobs keep their own ``spread``.
@@ -76,14 +77,15 @@ class Bracket:
         self,
         total_steps: int,
         *,
-        window: float = 0.15,
+        window: float = 0.1,
         span: float = 2.0,
-        syncs: int = 10,
-        burn_in: int = 1,
+        syncs: int = 8,
+        burn_in: int = 2,
         interior: float = 0.0,
         hold_span: float = 1.0,
         hold_spread: float = 0.0,
         hold_syncs: int = 10,
+        merge: str = "mean",
     ) -> None:
         problems = []
         if not _is_int(total_steps) or total_steps < 1:
@@ -105,10 +107,14 @@ class Bracket:
             problems.append(f"hold_spread must be a number >= 0 (got {hold_spread!r})")
         if not _is_int(hold_syncs) or hold_syncs < 1:
             problems.append(f"hold_syncs must be an integer >= 1 (got {hold_syncs!r})")
+        if merge not in ("mean", "best"):
+            problems.append(f"merge must be 'mean' or 'best' (got {merge!r})")
         ConfigError.check(problems)
+        self.merge = merge
         self.total_steps, self.window, self.span = int(total_steps), float(window), float(span)
         self.syncs, self.burn_in, self.interior = int(syncs), int(burn_in), float(interior)
-        self.hold_span, self.hold_spread, self.hold_syncs = float(hold_span), float(hold_spread), int(hold_syncs)
+        self.hold_span, self.hold_spread = float(hold_span), float(hold_spread)
+        self.hold_syncs = int(hold_syncs)
         self.end = max(1, round(self.window * self.total_steps))  # the last step the window covers
         self.every = max(1, self.end // self.syncs)
         self.hold_every = max(1, (self.total_steps - self.end) // self.hold_syncs)
@@ -139,7 +145,10 @@ class Bracket:
         self.n_syncs += 1
         if self.done:
             return Decision(next_sync=self.hold_every, info={"phase": "hold"})
-        if self.n_syncs <= self.burn_in and view.step < self.end:
+        if self.n_syncs <= self.burn_in:
+            if view.step + self._next(view.step) > self.end:  # the window ends before the search began
+                self.done = True
+                return self._hold(view)
             return Decision(next_sync=self._next(view.step), info={"phase": "burn-in"})
         bases = view.bases.clone()
         fitted: dict[str, float] = {}
@@ -161,12 +170,16 @@ class Bracket:
             b = float(bases[i])
             bases[i] = b * math.exp(move) if view.spacing[i] == "log" else b + move
         info = {"phase": "bracket", "fitted": fitted}
+        merge = None
+        if self.merge == "best" and bool(view.finite.any()):
+            merge = torch.zeros(view.n_replicas, dtype=torch.float64)
+            merge[int(torch.where(view.finite, view.scores, math.inf).argmin())] = 1.0
         if all(self.stopped) or view.step + self._next(view.step) > self.end:
             self.done = True
             hold = self._hold(view)
-            return Decision(bases=bases, spreads=hold.spreads, spacing=hold.spacing,
+            return Decision(bases=bases, spreads=hold.spreads, spacing=hold.spacing, merge=merge,
                             next_sync=hold.next_sync, info={**info, "phase": "bracketed"})
-        return Decision(bases=bases, next_sync=self._next(view.step), info=info)
+        return Decision(bases=bases, next_sync=self._next(view.step), merge=merge, info=info)
 
     def state_dict(self) -> dict[str, Any]:
         return {"n_syncs": self.n_syncs, "moves": list(self.moves), "stopped": list(self.stopped),

@@ -1,0 +1,150 @@
+"""The recommended setup: :func:`autolr` turns a run's model, optimizer and schedule into an
+engine whose replicas find the learning rate.
+
+Everything the method needs is derived from the run's length and the replica count; nothing
+has to be tuned:
+
+* one :class:`~hpx.LearningRateScale` knob, a factor on every parameter group's learning rate
+  (base 1: the lr the optimizer was built with, times your schedule);
+* the :class:`~hpx.search.Bracket` strategy: in the first 10% of the run the replicas spread
+  geometrically from half to twice the base and sync 8 times; after two syncs that only merge,
+  the base moves toward the better side until the best value is bracketed; then the spread is
+  dropped and the run continues as plain data-parallel training at the value found;
+* replicas compared on held-out batches you give (``probe``), or else on the sync step's own
+  batch before they train on it (:class:`~hpx.SharedBatch`): a paired comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from numbers import Integral
+from typing import Any, Union
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from hpx.backends.base import Collective
+from hpx.engine import Engine, OptimizerFactory
+from hpx.errors import ConfigError
+from hpx.knobs.base import Knob
+from hpx.knobs.optim import LearningRateScale
+from hpx.registry import Knobs
+from hpx.search.bracket import Bracket
+from hpx.signals import LossFn, ProbeStream, SharedBatch
+
+__all__ = ["autolr"]
+
+# Settings that belong to the HDET controller; autolr's strategy has its own.
+_CONTROLLER_SETTINGS = ("controller", "warmup", "meta_lr", "momentum", "debias_momentum", "temperature",
+                        "temperature_scale", "space", "decay", "sync_every")
+
+
+def autolr(
+    model: torch.nn.Module,
+    optimizer: Union[OptimizerFactory, torch.optim.Optimizer],
+    *,
+    total_steps: int,
+    schedule: Callable[[int], float] | LRScheduler | None = None,
+    probe: Iterable[Any] | None = None,
+    loss_fn: LossFn | None = None,
+    knobs: Sequence[Knob] = (),
+    replicas: int | None = None,
+    backend: Collective | None = None,
+    span: float = 2.0,
+    window: float = 0.1,
+    **settings: Any,
+) -> Engine:
+    """An :class:`~hpx.Engine` that finds the learning rate while it trains.
+
+    Build the optimizer with the learning rate you would have used; the replicas search around
+    it early in the run and the rest of the run trains at the value found::
+
+        engine = hpx.autolr(model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4),
+                            total_steps=10_000, schedule=warmup_cosine, probe=val_batches)
+        for x, y in loader:
+            engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+        model = engine.converge()
+
+    Args:
+        model: the model (replica 0 in one process; this rank's replica under torch.distributed,
+            wrapped in DistributedDataParallel or not).
+        optimizer: ``factory(model) -> Optimizer``, built with your learning rates (one optimizer
+            instance is accepted when there is one replica per process).
+        total_steps: the run's length in optimizer steps.
+        schedule: the lr's shape over the run: ``f(step) -> factor`` for every group (1 at the
+            peak), or a torch ``LRScheduler`` built on an optimizer with the same param groups
+            (stepped once on a copy and divided by its peak; every group must follow the same
+            shape). ``None``: constant. Build ``optimizer`` with the *peak* learning rates.
+        probe: held-out batches to compare replicas on (cycled; a list of a few batches of a
+            validation split is enough). ``None``: each sync step's training batch, scored
+            before the replicas train on it.
+        loss_fn: ``loss_fn(replica, batch)`` for scoring; default: the loss given to
+            :meth:`Engine.step <hpx.Engine.step>`. Give one without regularisers.
+        knobs: more knobs to spread (they do not move unless given a spread).
+        replicas: replicas per process (default 4 in one process, 1 per rank).
+        backend: the :class:`~hpx.backends.Collective` (default: in process).
+        span: the search's width: replicas from ``b / span`` to ``b * span``.
+        window: the fraction of the run in which the base may move.
+        **settings: other :class:`~hpx.EngineConfig` settings (``seed``, ``mode``,
+            ``bucket_cap_mb``, ``check_consistency``, ``warm_init``).
+    """
+    problems = []
+    if not isinstance(total_steps, Integral) or isinstance(total_steps, bool) or total_steps < 1:
+        problems.append(f"total_steps must be an integer >= 1 (got {total_steps!r})")
+    taken = [k for k in settings if k in _CONTROLLER_SETTINGS]
+    if taken:
+        problems.append(f"autolr sets its own search; {', '.join(taken)} belong to hpx.search.HDET "
+                        "(use hpx.Engine(..., search=hpx.search.HDET(...)) for that controller)")
+    if probe is not None and not isinstance(probe, Iterable):
+        problems.append(f"probe must be an iterable of batches or None (got {type(probe).__name__})")
+    if schedule is not None and not callable(schedule) and not isinstance(schedule, LRScheduler):
+        problems.append(f"schedule must be a function step -> factor, a torch LRScheduler or None "
+                        f"(got {type(schedule).__name__})")
+    if any(getattr(k, "name", None) == "lr" for k in knobs):
+        problems.append("knob name 'lr' is autolr's own learning-rate knob: name yours differently")
+    ConfigError.check(problems)
+    if isinstance(schedule, LRScheduler):
+        schedule = _shape_of(schedule, int(total_steps))
+    search = Bracket(int(total_steps), span=span, window=window)
+    signal = ProbeStream(probe, loss_fn=loss_fn) if probe is not None else SharedBatch(loss_fn=loss_fn)
+    registry = Knobs(LearningRateScale("lr", schedule=schedule), *knobs)
+    return Engine(model, optimizer, registry, backend=backend, signal=signal, search=search,
+                  replicas=replicas, **settings)
+
+
+def _shape_of(scheduler: LRScheduler, total_steps: int) -> Callable[[int], float]:
+    """The scheduler's lr over ``total_steps + 1`` steps as a factor of its peak, read once on a
+    copy (the scheduler and its optimizer are left as they are)."""
+    from hpx.schedule import _scheduler_problems, _Shadow
+
+    ConfigError.check(_scheduler_problems(scheduler))
+    shadow = _Shadow(scheduler)
+    n = len(shadow.optimizer.param_groups)
+    lrs = [[shadow.lr(g, t) for g in range(n)] for t in range(total_steps + 1)]
+    peaks = [max(row[g] for row in lrs) for g in range(n)]
+    if not any(p > 0 for p in peaks):
+        raise ConfigError(["the schedule's learning rates are 0 at every step: nothing to scale"])
+    ref = next(g for g in range(n) if peaks[g] > 0)
+    for t, row in enumerate(lrs):
+        factor = row[ref] / peaks[ref]
+        for g in range(n):
+            if peaks[g] > 0 and not math.isclose(row[g] / peaks[g], factor, rel_tol=1e-9, abs_tol=1e-12):
+                raise ConfigError(
+                    [f"param group {g} follows another shape than group {ref} at step {t} "
+                     f"({row[g] / peaks[g]:.6g} against {factor:.6g} of their peaks): autolr scales "
+                     "every group by one factor; declare hpx.LearningRate knobs per group instead"])
+    return _Table([row[ref] / peaks[ref] for row in lrs])
+
+
+class _Table:
+    """``f(step)`` from a precomputed table; past its end, the last value."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = values
+
+    def __call__(self, step: int) -> float:
+        v = self.values
+        return v[step] if 0 <= step < len(v) else v[-1]

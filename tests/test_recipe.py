@@ -1,0 +1,148 @@
+"""The recommended setup (hpx.autolr), its learning-rate knob, and geometric spreads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hpx
+from hpx.search import Bracket
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def ce(rep, batch):
+    return F.cross_entropy(rep.model(batch[0]), batch[1])
+
+
+def data(digits, n, seed=0, size=32):
+    x, y = digits
+    g = torch.Generator().manual_seed(seed)
+    return [(x[i], y[i]) for i in (torch.randint(0, 1400, (size,), generator=g) for _ in range(n))]
+
+
+def two_groups(m: nn.Module, lr: float = 0.1) -> torch.optim.Optimizer:
+    return torch.optim.SGD([{"params": m[0].parameters(), "lr": lr},
+                            {"params": m[2].parameters(), "lr": lr / 10}], lr=lr)
+
+
+# --- geometric spreads ---------------------------------------------------------------------
+
+
+def test_span_spreads_values_evenly_in_log_space_around_the_base():
+    k = hpx.LearningRate(base=0.1, span=4.0)
+    v = k.values(torch.arange(4))
+    assert v.tolist() == pytest.approx([0.1 * 4 ** u for u in (-1, -1 / 3, 1 / 3, 1)])
+    assert float(v.log().mean().exp()) == pytest.approx(0.1)  # the base is the geometric mean
+    assert k.span == pytest.approx(4.0) and k.spacing == "log" and "span=4" in repr(k)
+
+
+def test_span_of_one_is_no_spread_and_odd_replica_counts_keep_the_base():
+    assert hpx.LearningRate(base=0.1, span=1.0).values(torch.arange(3)).tolist() == [0.1] * 3
+    assert hpx.LearningRate(base=0.1, span=3.0).values(torch.arange(3))[1].item() == pytest.approx(0.1)
+
+
+def test_span_problems_are_reported_together():
+    with pytest.raises(hpx.ConfigError) as e:
+        hpx.Knob("k", base=1.0, spread=0.2, span=0.5)
+    assert "span of knob 'k' must be a number >= 1" in str(e.value)
+    assert "not both" in str(e.value)
+    with pytest.raises(hpx.ConfigError, match="additive"):
+        hpx.Knob("d", base=0.1, kind="add", span=2.0)
+
+
+def test_set_spread_checks_and_is_kept_in_the_knob_state():
+    k = hpx.LearningRate(base=0.1, spread=0.2)
+    with pytest.raises(hpx.ConfigError, match="spacing='log'"):
+        k.set_spread(1.5, "linear")
+    with pytest.raises(hpx.ConfigError, match="no geometric"):
+        hpx.Dropout(base=0.1).set_spread(0.1, "log")
+    k.set_spread(math.log(3), "log")
+    other = hpx.LearningRate(base=0.1, spread=0.2)
+    other.load_state_dict(k.state_dict())
+    assert other.spacing == "log" and other.span == pytest.approx(3.0)
+    fixed = hpx.LearningRate(base=0.1, explore=False)
+    fixed.set_spread(0.5, "log")
+    assert fixed.spread == 0.0  # a knob that does not explore keeps no spread
+
+
+# --- LearningRateScale ------------------------------------------------------------------------
+
+
+def test_learning_rate_scale_keeps_the_groups_ratios():
+    model = mlp()
+    opt = two_groups(model, 0.2)
+    rep = hpx.Replica(0, model, opt)
+    knob = hpx.LearningRateScale("lr", schedule=lambda t: 0.5)
+    setter = knob.bind(rep)
+    setter(3.0 * knob.scale(7))
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.3, 0.03])
+
+
+def test_learning_rate_scale_needs_a_positive_lr():
+    model = mlp()
+    rep = hpx.Replica(0, model, torch.optim.SGD(model.parameters(), lr=0.0))
+    with pytest.raises(hpx.ConfigError, match="every group's lr is 0"):
+        hpx.LearningRateScale().bind(rep)
+
+
+# --- autolr ---------------------------------------------------------------------------------------
+
+
+def test_autolr_builds_the_recommended_engine(digits):
+    engine = hpx.autolr(mlp(), lambda m: two_groups(m, 0.1), total_steps=200, probe=data(digits, 1))
+    assert isinstance(engine.search, Bracket) and engine.n_replicas == 4
+    assert isinstance(engine.signal, hpx.ProbeStream)
+    assert engine.knobs.names == ["lr"] and engine.knobs["lr"].span == pytest.approx(2.0)
+    # replica r's groups train at 0.1 * rho_r and 0.01 * rho_r
+    for rep in engine.replicas:
+        lr0, lr1 = (g["lr"] for g in rep.optimizer.param_groups)
+        assert lr0 / lr1 == pytest.approx(10.0)
+    assert sorted(r.optimizer.param_groups[0]["lr"] for r in engine.replicas) == pytest.approx(
+        [0.1 * 2 ** u for u in (-1, -1 / 3, 1 / 3, 1)])
+    no_probe = hpx.autolr(mlp(), lambda m: two_groups(m), total_steps=50)
+    assert isinstance(no_probe.signal, hpx.SharedBatch)
+
+
+def test_autolr_follows_a_torch_scheduler_relative_to_its_peak():
+    template = two_groups(mlp(), 0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(template, max_lr=[0.1, 0.01], total_steps=100)
+    engine = hpx.autolr(mlp(), lambda m: two_groups(m, 0.1), total_steps=100, schedule=sched,
+                        replicas=1)
+    knob = engine.knobs["lr"]
+    peak = max(knob.scale(t) for t in range(101))
+    assert peak == pytest.approx(1.0)
+    assert knob.scale(0) == pytest.approx(1 / 25)  # OneCycle starts at max_lr / div_factor
+    assert template.param_groups[0]["lr"] == pytest.approx(0.1 / 25)  # the user's scheduler untouched
+
+
+def test_autolr_refuses_groups_with_different_shapes():
+    template = two_groups(mlp(), 0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(template, [lambda t: 1.0, lambda t: 1.0 / (1 + t)])
+    with pytest.raises(hpx.ConfigError, match="another shape"):
+        hpx.autolr(mlp(), lambda m: two_groups(m), total_steps=10, schedule=sched)
+
+
+def test_autolr_lists_every_bad_setting():
+    with pytest.raises(hpx.ConfigError) as e:
+        hpx.autolr(mlp(), lambda m: two_groups(m), total_steps=0, meta_lr=0.1, schedule=3,
+                   probe=5, knobs=[hpx.Dropout("lr")])
+    msg = str(e.value)
+    for part in ("total_steps", "meta_lr", "schedule", "probe", "'lr'"):
+        assert part in msg
+
+
+def test_autolr_raises_a_too_low_lr_on_digits(digits):
+    """From 30x below a good SGD lr the bracket moves the base up during its window."""
+    engine = hpx.autolr(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                        total_steps=300, probe=data(digits, 1, seed=9, size=256))
+    for b in data(digits, 60, seed=1, size=64):
+        engine.step(ce, b)
+    assert engine.bases["lr"] >= 2.0

@@ -1,0 +1,312 @@
+"""Search strategies: the contract every strategy keeps, Bracket's phases, the engine applying them."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hpx
+from hpx.search import HDET, Bracket, Decision, SyncView
+
+# --- views --------------------------------------------------------------------------------
+
+
+LOG2 = math.log(2)
+
+
+def view(scores, values=None, *, step=10, bases=(1.0,), spacing=("log",), spreads=(LOG2,),
+         kinds=("mul",), explore=(True,)) -> SyncView:
+    scores = torch.tensor(scores, dtype=torch.float64)
+    n = scores.numel()
+    if values is None:  # one multiplicative knob, geometric spread around the base
+        u = hpx.slot_offsets(n)
+        values = torch.stack([b * torch.exp(s * u) for b, s in zip(bases, spreads)])
+    return SyncView(step=step, n_replicas=n, names=tuple(f"k{i}" for i in range(len(bases))),
+                    kinds=tuple(kinds), explore=torch.tensor(explore), spacing=tuple(spacing),
+                    spreads=torch.tensor(spreads, dtype=torch.float64),
+                    bases=torch.tensor(bases, dtype=torch.float64),
+                    bounds=torch.tensor([[0.0, math.inf]] * len(bases), dtype=torch.float64),
+                    values=torch.as_tensor(values, dtype=torch.float64), scores=scores)
+
+
+def start_view(**kw) -> SyncView:
+    v = view([0.0, 0.0, 0.0, 0.0], step=0, **kw)
+    return SyncView(**{**v.__dict__, "scores": torch.empty(0, dtype=torch.float64)})
+
+
+STRATEGIES = {
+    "hdet": lambda: HDET(),
+    "hdet-paper": lambda: HDET(hpx.Controller(space="linear", temperature=0.1, debias=False)),
+    "bracket": lambda: Bracket(1000, burn_in=0),
+}
+
+
+def follow(strategy, scores_seq, *, step0=10):
+    """Feed views (bases carried over from the decisions) and return the decisions."""
+    strategy.start(start_view())
+    bases, out = (1.0,), []
+    for i, scores in enumerate(scores_seq):
+        d = strategy.decide(view(scores, step=step0 + i, bases=bases))
+        if d.bases is not None:
+            bases = tuple(d.bases.tolist())
+        out.append((d, bases))
+    return out
+
+
+# --- the contract, for every strategy --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_equal_scores_move_nothing(name):
+    s = STRATEGIES[name]()
+    s.start(start_view())
+    d = s.decide(view([0.7, 0.7, 0.7, 0.7]))
+    assert d.bases is None or d.bases.tolist() == [1.0]
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("better", ["high", "low"])
+def test_moves_toward_the_better_side(name, better):
+    # scores fall with the value: higher is better (and the reverse)
+    scores = [4.0, 3.0, 2.0, 1.0] if better == "high" else [1.0, 2.0, 3.0, 4.0]
+    s = STRATEGIES[name]()
+    s.start(start_view())
+    d = s.decide(view(scores))
+    assert d.bases is not None
+    assert (d.bases.item() > 1.0) == (better == "high") and d.bases.item() != 1.0
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_nonfinite_replicas_take_no_part(name):
+    a, b = STRATEGIES[name](), STRATEGIES[name]()
+    a.start(start_view())
+    b.start(start_view())
+    # replica 1 non-finite: its value must not matter, whatever it was
+    da = a.decide(view([4.0, math.nan, 2.0, 1.0]))
+    values = view([0.0] * 4).values.clone()
+    values[0, 1] = 1.7
+    db = b.decide(view([4.0, math.nan, 2.0, 1.0], values=values))
+    assert da.bases.tolist() == db.bases.tolist()
+    assert math.isfinite(da.bases.item())
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_state_round_trip_continues_the_same_decisions(name):
+    seq = [[4.0, 3.0, 2.0, 1.0], [3.0, 2.5, 2.0, 2.2], [1.0, 2.0, 3.0, 4.0], [2.0, 1.0, 1.5, 3.0]]
+    full = follow(STRATEGIES[name](), seq)
+    first = STRATEGIES[name]()
+    part = follow(first, seq[:2])
+    resumed = STRATEGIES[name]()
+    resumed.start(start_view())
+    resumed.load_state_dict(copy.deepcopy(first.state_dict()))
+    bases = part[-1][1]
+    for i, scores in enumerate(seq[2:]):
+        d = resumed.decide(view(scores, step=12 + i, bases=bases))
+        if d.bases is not None:
+            bases = tuple(d.bases.tolist())
+        assert bases == full[2 + i][1]
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_decisions_do_not_touch_the_global_rng(name):
+    torch.manual_seed(5)
+    before = torch.random.get_rng_state()
+    follow(STRATEGIES[name](), [[4.0, 3.0, 2.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
+    assert torch.equal(before, torch.random.get_rng_state())
+
+
+# --- Bracket's phases ---------------------------------------------------------------------------
+
+
+def test_bracket_expands_by_the_span_while_the_edge_wins_then_bisects_on_reversal():
+    s = Bracket(1000, span=2.0, burn_in=0, window=0.5, syncs=10)
+    d0 = s.start(start_view(spacing=("linear",), spreads=(0.0,)))
+    assert d0.spacing == ("log",) and d0.spreads.tolist() == [pytest.approx(math.log(2))]
+    assert d0.next_sync == s.every == 50
+    up = [4.0, 3.0, 2.0, 1.0]
+    d1 = s.decide(view(up, step=50))
+    assert d1.bases.item() == pytest.approx(2.0)       # to the edge of the bracket
+    d2 = s.decide(view(up, step=100, bases=(2.0,)))
+    assert d2.bases.item() == pytest.approx(4.0)       # and again
+    d3 = s.decide(view([1.0, 2.0, 3.0, 4.0], step=150, bases=(4.0,)))  # now lower is better
+    assert d3.bases.item() == pytest.approx(4.0 / math.sqrt(2))        # midway (in log) between 2 and 4
+    assert d3.info["phase"] == "bracketed" and s.done
+    assert d3.spreads.tolist() == [0.0] and d3.next_sync == s.hold_every
+    d4 = s.decide(view(up, step=250, bases=(d3.bases.item(),), spreads=(0.0,)))
+    assert d4.bases is None and d4.info["phase"] == "hold" and not s.acts_at(250)
+
+
+def test_bracket_stops_at_an_interior_minimum_when_asked():
+    s = Bracket(1000, burn_in=0, interior=0.5)
+    s.start(start_view())
+    # a parabola with its minimum at z = 0.1 * log 2, well inside the bracket
+    z = math.log(2) * hpx.slot_offsets(4)
+    d = s.decide(view(((z - 0.1 * math.log(2)) ** 2).tolist()))
+    assert d.bases.item() == pytest.approx(2 ** 0.1, rel=0.02)
+    assert s.done
+
+
+def test_bracket_burn_in_merges_without_moving():
+    s = Bracket(1000, burn_in=2)
+    s.start(start_view())
+    for step in (15, 30):
+        assert not s.acts_at(step)
+        d = s.decide(view([4.0, 3.0, 2.0, 1.0], step=step))
+        assert d.bases is None and d.info["phase"] == "burn-in"
+    assert s.acts_at(45)
+    assert s.decide(view([4.0, 3.0, 2.0, 1.0], step=45)).bases.item() > 1
+
+
+def test_bracket_holds_after_its_window_whatever_the_scores():
+    s = Bracket(100, window=0.2, syncs=2, burn_in=0)
+    assert s.start(start_view()).next_sync == 10
+    s.decide(view([4.0, 3.0, 2.0, 1.0], step=10))
+    d = s.decide(view([4.0, 3.0, 2.0, 1.0], step=20, bases=(2.0,)))
+    assert s.done and d.info["phase"] == "bracketed" and d.next_sync == s.hold_every == 8
+
+
+def test_bracket_merge_best_picks_the_best_finite_replica():
+    s = Bracket(1000, burn_in=0, merge="best")
+    s.start(start_view())
+    d = s.decide(view([3.0, math.nan, 0.5, 1.0]))
+    assert d.merge.tolist() == [0.0, 0.0, 1.0, 0.0]
+
+
+def test_bracket_settings_are_checked_together():
+    with pytest.raises(hpx.ConfigError) as e:
+        Bracket(0, window=1.5, span=1.0, syncs=0, merge="vote")
+    msg = str(e.value)
+    for part in ("total_steps", "window", "span", "syncs", "merge"):
+        assert part in msg
+
+
+# --- the engine applies a strategy's decisions -------------------------------------------------
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+
+
+def ce(rep, batch):
+    return F.cross_entropy(rep.model(batch[0]), batch[1])
+
+
+def data(digits, n, seed=0, size=32):
+    x, y = digits
+    g = torch.Generator().manual_seed(seed)
+    return [(x[i], y[i]) for i in (torch.randint(0, 1400, (size,), generator=g) for _ in range(n))]
+
+
+class Scripted:
+    """A strategy that syncs at chosen intervals and merges on replica 2 only."""
+
+    def __init__(self, gaps):
+        self.gaps, self.i = list(gaps), 0
+
+    def start(self, v):
+        return Decision(next_sync=self.gaps[0])
+
+    def decide(self, v):
+        self.i += 1
+        merge = torch.zeros(v.n_replicas, dtype=torch.float64)
+        merge[2] = 1.0
+        return Decision(next_sync=self.gaps[min(self.i, len(self.gaps) - 1)], merge=merge,
+                        info={"phase": "scripted"})
+
+    def acts_at(self, step):
+        return True
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, s):
+        self.i = s["i"]
+
+
+def test_engine_syncs_when_the_strategy_says_and_merges_with_its_weights(digits):
+    engine = hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        [hpx.LearningRate(span=2.0)], replicas=4, search=Scripted([3, 5, 2]))
+    for b in data(digits, 12):
+        engine.step(ce, b)
+    assert [r.step for r in engine.history] == [3, 8, 10, 12]
+    assert all(r.phase == "scripted" for r in engine.history)
+    # after the last sync every replica holds replica 2's weights as they were at the sync
+    p = [torch.cat([q.detach().reshape(-1) for q in r.model.parameters()]) for r in engine.replicas]
+    assert all(torch.equal(p[0], q) for q in p[1:])
+
+
+def test_engine_writes_geometric_values_and_drops_them_in_hold(digits):
+    engine = hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        [hpx.LearningRate("lr")], replicas=4,
+                        search=Bracket(40, window=0.5, syncs=2, burn_in=5, span=4.0))
+    lrs = sorted(engine.values("lr"))
+    assert lrs == pytest.approx([0.1 * 4 ** u for u in (-1, -1 / 3, 1 / 3, 1)])
+    for b in data(digits, 21):
+        engine.step(ce, b)
+    assert engine.history[-1].phase == "hold"
+    assert engine.values("lr") == [0.1] * 4  # burn-in never moved it; hold has no spread
+
+
+def test_engine_resumes_a_bracket_run_exactly(digits):
+    batches = data(digits, 40, seed=3)
+    make = lambda: hpx.autolr(mlp(1), lambda m: torch.optim.SGD(m.parameters(), lr=0.02),  # noqa: E731
+                              total_steps=40, probe=data(digits, 1, seed=9), replicas=4)
+    whole = make()
+    for b in batches:
+        whole.step(ce, b)
+    first = make()
+    for b in batches[:13]:
+        first.step(ce, b)
+    state = copy.deepcopy(first.state_dict())
+    second = make()
+    second.load_state_dict(state)
+    for b in batches[13:]:
+        second.step(ce, b)
+    assert second.bases == whole.bases
+    assert [r.step for r in second.history] == [r.step for r in whole.history]
+    for a, b in zip(whole.replicas, second.replicas):
+        for p, q in zip(a.model.parameters(), b.model.parameters()):
+            assert torch.equal(p, q)
+
+
+def test_engine_loads_a_format_1_checkpoint(digits):
+    engine = hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=4)
+    for b in data(digits, 6):
+        engine.step(ce, b)
+    state = engine.state_dict()
+    state["format"] = 1
+    state["controller"] = state.pop("search")["controller"]
+    del state["next_sync"]
+    other = hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                       [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=4)
+    other.load_state_dict(state)
+    assert other.next_sync == 8 and other.bases == engine.bases
+
+
+def test_engine_rejects_an_incomplete_strategy_and_two_controllers():
+    with pytest.raises(hpx.ConfigError, match="lacks start, acts_at"):
+        hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), [], replicas=2,
+                   search=type("S", (), {"start": 1, "decide": lambda s, v: None,
+                                         "state_dict": lambda s: {}, "load_state_dict": lambda s, d: None})())
+    with pytest.raises(hpx.ConfigError, match="not both"):
+        hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), [], replicas=2,
+                   search=HDET(), controller=hpx.Controller())
+
+
+def test_bad_decisions_name_the_value(digits):
+    class BadMerge(Scripted):
+        def decide(self, v):
+            return Decision(merge=torch.tensor([1.0, -1.0]))
+
+    engine = hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        [hpx.LearningRate(spread=0.5)], replicas=2, search=BadMerge([2]))
+    with pytest.raises(ValueError, match="merge weights"):
+        for b in data(digits, 2):
+            engine.step(ce, b)
