@@ -5,7 +5,7 @@ extension points: a signal is any object with ``measure(ctx)``; the controller i
 any object with hpx's ``Controller`` interface (``update``, ``log_mask``, ``state_dict``,
 ``load_state_dict``), given to ``hpx.Engine(..., controller=obj)``.
 
-The directions tried against the two biases listed in ``shared/HDET.md``:
+The directions tried against the two biases listed in ``docs/method.md``:
 
 * ``EmaProbe``: compare replicas on what their weights would score after annealing,
   approximated by an exponential moving average of each replica's weights over the

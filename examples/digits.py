@@ -1,17 +1,20 @@
 """hpx on real data in one process: an MLP on scikit-learn's digits, 4 replicas on the CPU.
 
-The replicas co-explore the learning rate and the dropout rate. The learning rate
-starts 10x below a good value; watch the controller raise it. Replicas are
-compared on held-out batches (a probe split), so dropout is judged on what it is
-for, generalisation, rather than on the training loss it always raises.
+The recommended setup, ``hpx.autolr``: build the optimizer with the learning rate you
+would have used (here 10x below a good one), give the schedule and a few held-out
+batches, and train. In the first 10% of the run the replicas spread from half to twice
+the base and the base moves toward the better side until the best value is bracketed;
+the rest of the run is plain data-parallel training at that value. For comparison the
+script also trains the same model plainly at the starting learning rate.
 
-    python examples/digits.py                 # about 15 s on one CPU core
-    python examples/digits.py --replicas 8 --lr 0.3
+    python examples/digits.py                 # about 10 s on one CPU core
+    python examples/digits.py --lr 0.3        # start near a good value instead
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -33,71 +36,88 @@ def data(seed: int):
     return (x[:1197], y[:1197]), (x[1197:1497], y[1197:1497]), (x[1497:], y[1497:])
 
 
+def warmup_cosine(total: int, warm: float = 0.1):
+    """The lr's shape: a linear warm-up over the first 10% of the run, then cosine to 0."""
+    w = max(1, round(warm * total))
+    return lambda t: (t + 1) / w if t < w else 0.5 * (1 + math.cos(math.pi * min(1.0, (t - w) / (total - w))))
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def test_metrics(model: nn.Module, xs, ys) -> tuple[float, float]:
+    model.eval()
+    with torch.no_grad():
+        logits = model(xs)
+    return F.cross_entropy(logits, ys).item(), (logits.argmax(1) == ys).float().mean().item()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--replicas", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=0.01, help="starting SGD learning rate")
-    ap.add_argument("--dropout", type=float, default=0.2, help="starting dropout rate")
+    ap.add_argument("--lr", type=float, default=0.03, help="starting (peak) SGD learning rate")
     ap.add_argument("--steps", type=int, default=1200)
-    ap.add_argument("--sync-every", type=int, default=25)
-    ap.add_argument("--batch", type=int, default=64, help="batch per replica")
+    ap.add_argument("--batch", type=int, default=64, help="global batch, split among the replicas")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/digits", help="where to write the history and plot")
     args = ap.parse_args()
 
-    torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     (xt, yt), probe, (xs, ys) = data(args.seed)
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Dropout(args.dropout), nn.Linear(256, 10))
-
-    knobs = [
-        hpx.LearningRate("lr", spread=0.5),   # replicas at 0.5x .. 1.5x the base
-        hpx.Dropout("dropout", spread=0.1),   # replicas at base -0.1 .. +0.1
-    ]
+    schedule = warmup_cosine(args.steps)
 
     def loss_fn(rep: hpx.Replica, batch) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(rep.model(x), y)
 
-    engine = hpx.Engine(
-        model,
-        lambda m: torch.optim.SGD(m.parameters(), lr=args.lr, momentum=0.9),
-        knobs,
-        replicas=args.replicas,
-        sync_every=args.sync_every,
+    engine = hpx.autolr(
+        make_model(args.seed),
+        lambda m: torch.optim.SGD(m.parameters(), lr=args.lr, momentum=0.9),  # built once per replica
+        total_steps=args.steps,
+        schedule=schedule,
+        probe=[probe],          # replicas compared on the same held-out batch
         seed=args.seed,
-        signal=hpx.ProbeStream([probe]),  # every replica scored on the same held-out batch
     )
 
     gen = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
-    print(f"{args.replicas} replicas, T={args.sync_every}, start lr={args.lr:g} dropout={args.dropout:g}")
+    print(f"{engine.n_replicas} replicas, {args.steps} steps, start lr {args.lr:g}")
     for _ in range(args.steps):
-        idx = torch.randint(0, len(yt), (args.batch * args.replicas,), generator=gen)
-        engine.step(loss_fn, (xt[idx], yt[idx]))  # split among the replicas
-        if engine.history and engine.history[-1].step == engine.step_count:
-            rec = engine.history[-1]
-            if len(engine.history) % 4 == 0:
-                print(f"step {rec.step:5d}  lr {rec.bases['lr']:.4f}  dropout {rec.bases['dropout']:.3f}  "
-                      f"probe loss {min(rec.scores):.4f}..{max(rec.scores):.4f}")
-
-    final = engine.converge().eval()
-    with torch.no_grad():
-        acc = (final(xs).argmax(1) == ys).float().mean().item()
-        test_loss = F.cross_entropy(final(xs), ys).item()
+        idx = torch.randint(0, len(yt), (args.batch,), generator=gen)
+        engine.step(loss_fn, (xt[idx], yt[idx]))  # the batch is split among the replicas
+        rec = engine.history[-1] if engine.history else None
+        if rec is not None and rec.step == engine.step_count and rec.phase != "hold":
+            lr = rec.bases["lr"] * args.lr
+            print(f"step {rec.step:5d}  {rec.phase:10s} lr {lr:.4f}  probe loss "
+                  f"{min(rec.scores):.4f}..{max(rec.scores):.4f}")
+    hpx_loss, hpx_acc = test_metrics(engine.converge(), xs, ys)
     took = time.perf_counter() - start
-    print("\nknob trajectories (base at each 8th sync):")
-    print(hpx.format_history(engine.history, every=8))
+
+    # the same model trained plainly at the starting learning rate, on the same batches
+    plain = make_model(args.seed)
+    opt = torch.optim.SGD(plain.parameters(), lr=args.lr, momentum=0.9)
+    gen = torch.Generator().manual_seed(args.seed)
+    for t in range(args.steps):
+        idx = torch.randint(0, len(yt), (args.batch,), generator=gen)
+        for g in opt.param_groups:
+            g["lr"] = args.lr * schedule(t)
+        opt.zero_grad()
+        F.cross_entropy(plain(xt[idx]), yt[idx]).backward()
+        opt.step()
+    plain_loss, plain_acc = test_metrics(plain, xs, ys)
+
     out = Path(args.out)
     hpx.save_history(engine.history, out / "history.json")
     try:
-        png = hpx.plot_history(engine.history, out / "trajectories.png", title="digits MLP, hpx")
+        png = hpx.plot_history(engine.history, out / "trajectories.png", title="digits MLP, hpx.autolr")
         print(f"plot: {png}")
     except ImportError:
         print("(install matplotlib for a plot)")
-    print(f"\nlr {args.lr:g} -> {engine.bases['lr']:.4g}, dropout {args.dropout:g} -> "
-          f"{engine.bases['dropout']:.3f}")
-    print(f"test accuracy {acc:.4f}, test loss {test_loss:.4f}, {took:.1f} s")
+    print(f"\nlr {args.lr:g} -> {engine.bases['lr'] * args.lr:.4g} (found in the first "
+          f"{engine.search.end} steps; then plain training)")
+    print(f"hpx.autolr: test loss {hpx_loss:.4f}, accuracy {hpx_acc:.4f} ({took:.1f} s)")
+    print(f"plain at lr {args.lr:g}: test loss {plain_loss:.4f}, accuracy {plain_acc:.4f}")
 
 
 if __name__ == "__main__":

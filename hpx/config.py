@@ -14,7 +14,7 @@ _Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class EngineConfig(BaseModel):
-    """Settings of :class:`~hpx.Engine`. Symbols refer to ``shared/HDET.md``.
+    """Settings of :class:`~hpx.Engine`. Symbols are the paper's (docs/method.md maps them).
 
     Attributes:
         replicas: replicas per process. ``None``: 4 in one process, 1 per rank

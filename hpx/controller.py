@@ -22,7 +22,7 @@ Eq. 7 exactly.
 
 ``decay`` is ``z (1 - gamma)`` in linear space and ``z + log(1 - gamma)`` in
 log space; both multiply the base by ``1 - gamma`` (the paper's decay, positive
-``gamma`` only, see HDET.md on the sign error of its Eq. 8). The clip keeps one
+``gamma`` only, see docs/method.md on the sign error of its Eq. 8). The clip keeps one
 sync's move within half the range the replicas explored (the distance from the
 centre to the extreme values of a symmetric spread), so an update is bounded by
 the spread even when momentum carries an old, larger velocity.

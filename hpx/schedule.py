@@ -11,7 +11,7 @@ step's loss::
     ...
     loss.backward(); opt.step(); sched.step(loss)
 
-How the numbers come about (symbols of ``shared/HDET.md``). Every parameter group ``g`` is one
+How the numbers come about (the paper's symbols, mapped in docs/method.md). Every parameter group ``g`` is one
 :class:`~hpx.LearningRate` knob with base ``b_g`` and schedule ``f_g``; replica ``r`` trains at
 
     lr_r,g(t) = b_g * rho_pi(r) * f_g(t)
@@ -71,7 +71,7 @@ __all__ = ["ExploreLR", "OneCycleLR", "OneCyclePlan", "OneCycleShape", "Rule", "
 Rule = Literal["hpx", "paper"]
 _RULES = ("hpx", "paper")
 
-# The paper's controller constants (HDET.md section 3): sigma, lambda, beta.
+# The paper's controller constants (docs/method.md): sigma, lambda, beta.
 PAPER_TEMPERATURE = 0.1
 PAPER_META_LR = 0.5
 PAPER_MOMENTUM = 0.9

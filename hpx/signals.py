@@ -2,8 +2,8 @@
 
 The paper compares replicas on their mean training loss over the interval
 (:class:`IntervalLoss`). Replicas then read different batches, so much of the
-difference between them is batch noise (HDET.md, "What the loss signal
-measures"). :class:`SharedBatch` scores every replica on one batch at the sync
+difference between them is batch noise (docs/method.md, "The signal").
+:class:`SharedBatch` scores every replica on one batch at the sync
 (a paired comparison: the data noise is common to all and cancels), and
 :class:`ProbeStream` on held-out batches the user supplies, which also stops a
 training-loss signal from favouring settings that overfit.

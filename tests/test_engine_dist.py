@@ -129,6 +129,21 @@ def _train(backend: hpx.Collective, *, mode: str = "shared", ddp: bool = False, 
             "states": [_state(r.model) for r in engine.replicas]}
 
 
+def _train_autolr(backend: hpx.Collective, *, ddp: bool = True) -> dict:
+    """The recommended setup: hpx.autolr with a probe batch, its bracket window included."""
+    world, rank = backend.world_size, backend.rank
+    torch.manual_seed(0)
+    model: nn.Module = _ddp(_Net()) if ddp else _Net()
+    engine = hpx.autolr(model, _optimizer, total_steps=STEPS, probe=_batches(1, seed=7), backend=backend,
+                        replicas=4 if isinstance(backend, InProcess) else 1, seed=0)
+    for x, y in _batches(STEPS):
+        if world > 1:
+            x, y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+        engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+    return {"history": [asdict(r) for r in engine.history],
+            "states": [_state(r.model) for r in engine.replicas]}
+
+
 def _plain_ddp(steps: int) -> dict[str, torch.Tensor]:
     """The same run as plain DDP: no hpx, no hook."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -281,6 +296,7 @@ def _world4(rank: int, world_size: int) -> dict:
     out["alpha0_fixed"] = _train(backend, ddp=True, spread=0.0, controller=False)
     out["alpha0"] = _train(backend, ddp=True, spread=0.0)
     out["plain_ddp"] = _plain_ddp(STEPS)
+    out["autolr"] = _train_autolr(backend)
     out["sync_calls"] = _sync_calls(backend)
     out["inconsistent"] = _inconsistent(backend)
     out["seeds"] = _seeds(backend)
@@ -305,6 +321,7 @@ def local() -> dict[str, dict]:
         "shared": _train(backend),
         "independent": _train(backend, mode="independent"),
         "nan": _train(backend, nan_step=NAN_STEP),
+        "autolr": _train_autolr(backend, ddp=False),
     }
 
 
@@ -497,3 +514,19 @@ def test_without_a_process_group_the_error_says_how_to_launch():
     assert not dist.is_initialized()
     with pytest.raises(BackendError, match=r"torchrun --nproc_per_node=4 .*init_process_group"):
         hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=hpx.backends.TorchDistributed())
+
+
+def test_autolr_over_ddp_matches_in_process(ranks, local):
+    """The recommended setup under torchrun: the same bracket decisions, values and weights."""
+    ref = local["autolr"]["history"]
+    phases = [r["phase"] for r in ref]
+    assert "bracket" in phases and phases[-1] == "hold"
+    assert any(r["bases"]["lr"] != 1.0 for r in ref)  # the bracket moved the base
+    for r in ranks:
+        hist = r["autolr"]["history"]
+        assert [h["step"] for h in hist] == [h["step"] for h in ref]
+        assert [h["phase"] for h in hist] == phases
+        for d, l in zip(hist, ref):
+            assert d["bases"]["lr"] == pytest.approx(l["bases"]["lr"], rel=1e-5), d["step"]
+            assert d["values"]["lr"] == pytest.approx(l["values"]["lr"], rel=1e-5), d["step"]
+        _assert_states_close(r["autolr"]["states"][0], local["autolr"]["states"][0], "autolr")
