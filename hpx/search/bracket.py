@@ -86,6 +86,8 @@ class Bracket:
         hold_spread: float = 0.0,
         hold_syncs: int = 10,
         merge: str = "mean",
+        neutral: float = 1.0,
+        reach: float = 1.0,
     ) -> None:
         problems = []
         if not _is_int(total_steps) or total_steps < 1:
@@ -107,10 +109,15 @@ class Bracket:
             problems.append(f"hold_spread must be a number >= 0 (got {hold_spread!r})")
         if not _is_int(hold_syncs) or hold_syncs < 1:
             problems.append(f"hold_syncs must be an integer >= 1 (got {hold_syncs!r})")
+        if not _is_real(neutral) or not 0 < neutral <= 1:
+            problems.append(f"neutral must be a number in (0, 1] (got {neutral!r})")
+        if not _is_real(reach) or reach < 1:
+            problems.append(f"reach must be a number >= 1 (got {reach!r})")
         if merge not in ("mean", "best"):
             problems.append(f"merge must be 'mean' or 'best' (got {merge!r})")
         ConfigError.check(problems)
         self.merge = merge
+        self.neutral, self.reach = float(neutral), float(reach)
         self.total_steps, self.window, self.span = int(total_steps), float(window), float(span)
         self.syncs, self.burn_in, self.interior = int(syncs), int(burn_in), float(interior)
         self.hold_span, self.hold_spread = float(hold_span), float(hold_spread)
@@ -220,11 +227,17 @@ class Bracket:
                         info={"phase": "hold"})
 
     def _fit(self, view: SyncView, i: int) -> float | None:
-        """The minimum over ``[-alpha, alpha]`` of a parabola fitted to score against ``z``."""
+        """Where the fitted parabola of score against ``z`` has its minimum, as a move of the base.
+
+        The minimum is looked up over ``reach`` times the explored range ``[-alpha, alpha]``;
+        for a geometric spread it is then compared with ``log(neutral * mean rho)``, the
+        optimum a settled loss shows (see the module's docs), rather than with the base.
+        """
         ok = view.finite
         v, s = view.values[i, ok], view.scores[ok]
         b = float(view.bases[i])
-        z = (v / b).log() if view.spacing[i] == "log" else v - b
+        log = view.spacing[i] == "log"
+        z = (v / b).log() if log else v - b
         w = float(view.spreads[i])
         distinct = torch.unique(z).numel()
         if distinct < 2 or w <= 0:
@@ -236,9 +249,12 @@ class Bracket:
         zn = z / w  # in [-1, 1]: keeps the fit well conditioned at any scale
         cols = [torch.ones_like(zn), zn] + ([zn * zn] if distinct >= 3 else [])
         coef = torch.linalg.lstsq(torch.stack(cols, 1), y[:, None]).solution.reshape(-1)
-        grid = torch.linspace(-1.0, 1.0, _GRID, dtype=torch.float64)
+        grid = torch.linspace(-self.reach, self.reach, _GRID, dtype=torch.float64)
         pred = coef[0] + coef[1] * grid + (coef[2] * grid * grid if distinct >= 3 else 0.0)
-        return float(grid[int(pred.argmin())]) * w
+        best = float(grid[int(pred.argmin())]) * w
+        if log and self.neutral != 1.0:
+            best -= math.log(self.neutral * float(v.mean()) / b)
+        return max(-w, min(w, best))
 
 
 def _is_int(x: object) -> bool:
