@@ -70,6 +70,14 @@ def _eval_points(task: Task) -> set[int]:
 
 
 def _run_plain(task: Task, spec: RunSpec) -> dict[str, Any]:
+    if task.plain_replicas > 1:  # plain data parallelism: hpx's layout, nothing explored
+        model = task.model(spec.seed)
+        knobs = [hpx.LearningRateScale("lr", schedule=task.schedule())]
+        engine = hpx.Engine(model, _factory_at(task, spec.lr), knobs, replicas=task.plain_replicas,
+                            controller=False, sync_every=task.sync_every, seed=spec.seed)
+        out = _drive(task, spec, engine, None, "interval", scale=spec.lr)
+        out["history"] = []
+        return out
     model = task.model(spec.seed)
     opt = task.optimizer(model)
     values = task.set_fixed(model, opt)

@@ -72,6 +72,9 @@ class Task:
     grid_center: float = 0.1         # the grid is grid_center * 10**linspace(-1, 1, n)
     metric: str = "loss"             # what the quality target is stated on ("loss" or "acc")
     evals: int = 10                  # points on the validation curve
+    plain_replicas: int = 1          # plain training's layout: 1 process with the whole batch, or
+                                     # N replicas splitting it (plain DDP on N devices; differs only
+                                     # for models whose forward reads the batch, like BatchNorm)
     extra: dict[str, Any] = field(default_factory=dict)
 
     # --- to be provided --------------------------------------------------------------

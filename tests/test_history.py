@@ -62,12 +62,15 @@ def test_report_command(history, tmp_path, capsys):
 
 
 def test_demo_raises_a_low_lr(tmp_path):
-    """The README's demo, shortened: it runs, reports accuracy, and the lr base rises from 0.01."""
+    """The README's demo, shortened: it runs, the lr rises from its low start, and it reports
+    hpx's and plain training's test metrics."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "digits.py"), "--steps", "300", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
-    start, end = out.split("\nlr ")[1].split(",")[0].split(" -> ")
-    assert float(start) == 0.01 and float(end) > 0.015
-    assert float(out.split("test accuracy ")[1].split(",")[0]) > 0.8
+    start, end = out.split("\nlr ")[1].split(" (")[0].split(" -> ")
+    assert float(start) == 0.03 and float(end) > 0.06
+    hpx_acc = float(out.split("hpx.autolr: test loss ")[1].split("accuracy ")[1].split(" ")[0])
+    plain_acc = float(out.split("plain at lr 0.03: test loss ")[1].split("accuracy ")[1].split()[0])
+    assert hpx_acc > 0.8 and 0 < plain_acc <= 1
     assert (tmp_path / "trajectories.png").exists() and (tmp_path / "history.json").exists()

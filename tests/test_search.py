@@ -142,7 +142,7 @@ def test_bracket_expands_by_the_span_while_the_edge_wins_then_bisects_on_reversa
 
 
 def test_bracket_stops_at_an_interior_minimum_when_asked():
-    s = Bracket(1000, burn_in=0, interior=0.5)
+    s = Bracket(1000, burn_in=0, interior=0.5, ranks=False)
     s.start(start_view())
     # a parabola with its minimum at z = 0.1 * log 2, well inside the bracket
     z = math.log(2) * hpx.slot_offsets(4)
@@ -151,15 +151,27 @@ def test_bracket_stops_at_an_interior_minimum_when_asked():
     assert s.done
 
 
-def test_bracket_burn_in_merges_without_moving():
+def test_bracket_burn_in_takes_only_downward_moves():
     s = Bracket(1000, burn_in=2)
     s.start(start_view())
-    for step in (15, 30):
-        assert not s.acts_at(step)
-        d = s.decide(view([4.0, 3.0, 2.0, 1.0], step=step))
-        assert d.bases is None and d.info["phase"] == "burn-in"
-    assert s.acts_at(45)
-    assert s.decide(view([4.0, 3.0, 2.0, 1.0], step=45)).bases.item() > 1
+    d = s.decide(view([4.0, 3.0, 2.0, 1.0], step=12))  # "higher is better": the first syncs' bias
+    assert d.bases.item() == 1.0 and d.info["phase"] == "burn-in"
+    d = s.decide(view([1.0, 2.0, 3.0, 40.0], step=24))  # "lower is better" despite it: act at once
+    assert d.bases.item() == pytest.approx(0.5) and d.info["phase"] == "burn-in"
+    d = s.decide(view([1.0, 2.0, 3.0, 4.0], step=36, bases=(0.5,)))
+    assert d.bases.item() == pytest.approx(0.25) and d.info["phase"] == "bracket"
+
+
+def test_bracket_fits_ranks_so_a_blown_up_replica_does_not_slow_the_retreat():
+    # replica at 2x blew up; among the other three the lowest value is best
+    scores = [1.0, 1.2, 1.5, 1e6]
+    by_rank, by_score = Bracket(1000, burn_in=0), Bracket(1000, burn_in=0, ranks=False)
+    by_rank.start(start_view())
+    by_score.start(start_view())
+    down_rank = by_rank.decide(view(scores)).bases.item()
+    down_score = by_score.decide(view(scores)).bases.item()
+    assert down_rank == pytest.approx(0.5)   # all the way to the bracket's edge
+    assert down_score > 0.6                   # the outlier bends the parabola's minimum inward
 
 
 def test_bracket_holds_after_its_window_whatever_the_scores():

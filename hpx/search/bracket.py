@@ -16,14 +16,19 @@ So :class:`Bracket` searches only in a window at the start of the run, with a wi
 geometric spread and frequent syncs, and stops as soon as the optimum is
 bracketed, the way a line search brackets a minimum:
 
-1. *Burn-in*: the first ``burn_in`` syncs only merge the replicas (in the first
-   steps every replica improves fast, and the comparison favours the longest step
-   at any value).
-2. *Expand*: at each sync fit the replicas' scores against their coordinate ``z``
-   (``log(value / base)`` for a geometric spread, ``value - base`` for a linear
-   one) with a parabola and move the base to the fit's minimum over the explored
-   range ``[-alpha, alpha]``. While the minimum sits at the range's edge the base
-   keeps moving, by up to ``span`` per sync.
+1. *Burn-in*: at the first ``burn_in`` syncs a multiplicative knob may only move
+   down (in the first steps every replica improves fast and the comparison favours
+   the longest step at any value, so a preference for the larger value means
+   little there, while a preference for the smaller one, against that bias, is
+   the sign of a value far too high, whose damage is done within a few steps).
+2. *Expand*: at each sync fit the ranks of the replicas' scores against their
+   coordinate ``z`` (``log(value / base)`` for a geometric spread, ``value - base``
+   for a linear one) with a parabola and move the base to the fit's minimum over
+   the explored range ``[-alpha, alpha]``. Ranks, because a replica whose loss
+   blew up would otherwise dominate a least-squares fit and pull its minimum
+   toward the middle, slowing the retreat exactly when it is most urgent. While
+   the minimum sits at the range's edge the base keeps moving, by up to ``span``
+   per sync.
 3. *Bracketed*: the first time the fitted minimum points back (a reversal), the
    optimum lies between the last two bases: the base goes to their midpoint (in
    ``z``) and the knob stops. A minimum well inside the range (``|z*| <
@@ -63,7 +68,7 @@ class Bracket:
             ``span`` per sync). Additive knobs keep their own ``spread``.
         syncs: syncs in the window (its interval is ``window * total_steps /
             syncs`` steps).
-        burn_in: syncs at the start that only merge.
+        burn_in: syncs at the start at which multiplicative knobs may only move down.
         interior: a fitted minimum within ``interior * alpha`` of the base stops
             the knob there; 0 stops knobs only on a reversal.
         hold_span: the geometric spread of multiplicative knobs after the search
@@ -71,6 +76,11 @@ class Bracket:
         hold_spread: see ``hold_span``.
         hold_syncs: syncs after the window (weights and buffers averaged, no
             search), spread evenly over the rest of the run.
+        merge: ``"mean"`` (every finite replica, equally) or ``"best"`` (every
+            replica takes the best-scoring one's weights) at the window's syncs.
+        ranks: fit the replicas' score *ranks*, not the scores: a replica whose
+            loss blew up then counts as the worst, no more, and cannot pull the
+            fitted minimum toward the middle of the range.
     """
 
     def __init__(
@@ -86,8 +96,7 @@ class Bracket:
         hold_spread: float = 0.0,
         hold_syncs: int = 10,
         merge: str = "mean",
-        neutral: float = 1.0,
-        reach: float = 1.0,
+        ranks: bool = True,
     ) -> None:
         problems = []
         if not _is_int(total_steps) or total_steps < 1:
@@ -109,15 +118,11 @@ class Bracket:
             problems.append(f"hold_spread must be a number >= 0 (got {hold_spread!r})")
         if not _is_int(hold_syncs) or hold_syncs < 1:
             problems.append(f"hold_syncs must be an integer >= 1 (got {hold_syncs!r})")
-        if not _is_real(neutral) or not 0 < neutral <= 1:
-            problems.append(f"neutral must be a number in (0, 1] (got {neutral!r})")
-        if not _is_real(reach) or reach < 1:
-            problems.append(f"reach must be a number >= 1 (got {reach!r})")
         if merge not in ("mean", "best"):
             problems.append(f"merge must be 'mean' or 'best' (got {merge!r})")
         ConfigError.check(problems)
         self.merge = merge
-        self.neutral, self.reach = float(neutral), float(reach)
+        self.ranks = bool(ranks)
         self.total_steps, self.window, self.span = int(total_steps), float(window), float(span)
         self.syncs, self.burn_in, self.interior = int(syncs), int(burn_in), float(interior)
         self.hold_span, self.hold_spread = float(hold_span), float(hold_spread)
@@ -146,17 +151,16 @@ class Bracket:
                         info={"phase": "bracket"})
 
     def acts_at(self, step: int) -> bool:
-        return not self.done and self.n_syncs >= self.burn_in and step <= self.end
+        return not self.done and step <= self.end
 
     def decide(self, view: SyncView) -> Decision:
         self.n_syncs += 1
         if self.done:
             return Decision(next_sync=self.hold_every, info={"phase": "hold"})
-        if self.n_syncs <= self.burn_in:
-            if view.step + self._next(view.step) > self.end:  # the window ends before the search began
-                self.done = True
-                return self._hold(view)
-            return Decision(next_sync=self._next(view.step), info={"phase": "burn-in"})
+        burn = self.n_syncs <= self.burn_in
+        if burn and view.step + self._next(view.step) > self.end:  # the window ends before the search began
+            self.done = True
+            return self._hold(view)
         bases = view.bases.clone()
         fitted: dict[str, float] = {}
         for i, name in enumerate(view.names):
@@ -166,6 +170,8 @@ class Bracket:
             if best is None:  # fewer than two distinct finite values: nothing to compare
                 continue
             fitted[name] = best
+            if burn and not (best < 0 and view.kinds[i] == "mul"):
+                continue  # the first syncs favour the larger value at any value: only a fall counts
             prev = self.moves[i]
             if prev * best < 0:  # the fit points back: the optimum is between the last two bases
                 move, self.stopped[i] = -prev / 2, True
@@ -176,7 +182,7 @@ class Bracket:
             self.moves[i] = move
             b = float(bases[i])
             bases[i] = b * math.exp(move) if view.spacing[i] == "log" else b + move
-        info = {"phase": "bracket", "fitted": fitted}
+        info = {"phase": "burn-in" if burn else "bracket", "fitted": fitted}
         merge = None
         if self.merge == "best" and bool(view.finite.any()):
             merge = torch.zeros(view.n_replicas, dtype=torch.float64)
@@ -227,34 +233,27 @@ class Bracket:
                         info={"phase": "hold"})
 
     def _fit(self, view: SyncView, i: int) -> float | None:
-        """Where the fitted parabola of score against ``z`` has its minimum, as a move of the base.
-
-        The minimum is looked up over ``reach`` times the explored range ``[-alpha, alpha]``;
-        for a geometric spread it is then compared with ``log(neutral * mean rho)``, the
-        optimum a settled loss shows (see the module's docs), rather than with the base.
-        """
+        """The minimum over ``[-alpha, alpha]`` of a parabola fitted to score (or its rank)
+        against ``z``, as a move of the base."""
         ok = view.finite
         v, s = view.values[i, ok], view.scores[ok]
         b = float(view.bases[i])
-        log = view.spacing[i] == "log"
-        z = (v / b).log() if log else v - b
+        z = (v / b).log() if view.spacing[i] == "log" else v - b
         w = float(view.spreads[i])
         distinct = torch.unique(z).numel()
         if distinct < 2 or w <= 0:
             return None
-        sd = float(s.std()) if s.numel() > 1 else 0.0
-        if not sd > 0:
+        if not float(s.max() - s.min()) > 0:
             return 0.0  # every replica scored the same: no preference
-        y = (s - s.mean()) / sd
+        if self.ranks:  # a replica that blew up must not drag the fit's minimum toward the middle
+            s = s.argsort().argsort().to(torch.float64)
+        y = (s - s.mean()) / s.std()
         zn = z / w  # in [-1, 1]: keeps the fit well conditioned at any scale
         cols = [torch.ones_like(zn), zn] + ([zn * zn] if distinct >= 3 else [])
         coef = torch.linalg.lstsq(torch.stack(cols, 1), y[:, None]).solution.reshape(-1)
-        grid = torch.linspace(-self.reach, self.reach, _GRID, dtype=torch.float64)
+        grid = torch.linspace(-1.0, 1.0, _GRID, dtype=torch.float64)
         pred = coef[0] + coef[1] * grid + (coef[2] * grid * grid if distinct >= 3 else 0.0)
-        best = float(grid[int(pred.argmin())]) * w
-        if log and self.neutral != 1.0:
-            best -= math.log(self.neutral * float(v.mean()) / b)
-        return max(-w, min(w, best))
+        return float(grid[int(pred.argmin())]) * w
 
 
 def _is_int(x: object) -> bool:
