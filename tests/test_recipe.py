@@ -6,26 +6,11 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import hpx
 from hpx.search import Bracket
-
-
-def mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-
-
-def ce(rep, batch):
-    return F.cross_entropy(rep.model(batch[0]), batch[1])
-
-
-def data(digits, n, seed=0, size=32):
-    x, y = digits
-    g = torch.Generator().manual_seed(seed)
-    return [(x[i], y[i]) for i in (torch.randint(0, 1400, (size,), generator=g) for _ in range(n))]
+from tests._digits import ce, data, mlp
 
 
 def two_groups(m: nn.Module, lr: float = 0.1) -> torch.optim.Optimizer:

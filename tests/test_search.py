@@ -7,11 +7,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import hpx
 from hpx.search import HDET, Bracket, Decision, SyncView
+from tests._digits import ce, data, mlp
 
 # --- views --------------------------------------------------------------------------------
 
@@ -198,21 +197,6 @@ def test_bracket_settings_are_checked_together():
 
 
 # --- the engine applies a strategy's decisions -------------------------------------------------
-
-
-def mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-
-
-def ce(rep, batch):
-    return F.cross_entropy(rep.model(batch[0]), batch[1])
-
-
-def data(digits, n, seed=0, size=32):
-    x, y = digits
-    g = torch.Generator().manual_seed(seed)
-    return [(x[i], y[i]) for i in (torch.randint(0, 1400, (size,), generator=g) for _ in range(n))]
 
 
 class Scripted:

@@ -97,6 +97,22 @@ class GroupKnob(Knob):
         return f"{super()._describe()}, group={self.group!r}"
 
 
+def _checked_schedule(name: str, schedule: Callable[[int], float] | None) -> Callable[[int], float] | None:
+    if schedule is not None and not callable(schedule):
+        raise ConfigError([f"schedule of knob {name!r} must be callable (got {schedule!r})"])
+    return schedule
+
+
+def _scheduled_scale(self, step: int) -> float:
+    """The schedule's factor at ``step`` (1 without a schedule)."""
+    return 1.0 if self.schedule is None else float(self.schedule(step))
+
+
+def _is_scheduled(self) -> bool:
+    """Whether the value follows a schedule (and is written every step)."""
+    return self.schedule is not None
+
+
 class LearningRate(GroupKnob):
     """The learning rate of one parameter group (``group["lr"]``).
 
@@ -124,18 +140,12 @@ class LearningRate(GroupKnob):
         explore: bool = True,
         span: float | None = None,
     ) -> None:
-        if schedule is not None and not callable(schedule):
-            raise ConfigError([f"schedule of knob {name!r} must be callable (got {schedule!r})"])
         super().__init__(name, group=group, base=base, spread=spread, bounds=bounds, explore=explore,
                          span=span)
-        self.schedule = schedule
+        self.schedule = _checked_schedule(name, schedule)
 
-    def scale(self, step: int) -> float:
-        return 1.0 if self.schedule is None else float(self.schedule(step))
-
-    @property
-    def scheduled(self) -> bool:
-        return self.schedule is not None
+    scale = _scheduled_scale
+    scheduled = property(_is_scheduled)
 
 
 class WeightDecay(GroupKnob):
@@ -175,18 +185,12 @@ class LearningRateScale(Knob):
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
     ) -> None:
-        if schedule is not None and not callable(schedule):
-            raise ConfigError([f"schedule of knob {name!r} must be callable (got {schedule!r})"])
         super().__init__(name, base=base, spread=spread, kind="mul", bounds=bounds, explore=explore,
                          span=span)
-        self.schedule = schedule
+        self.schedule = _checked_schedule(name, schedule)
 
-    def scale(self, step: int) -> float:
-        return 1.0 if self.schedule is None else float(self.schedule(step))
-
-    @property
-    def scheduled(self) -> bool:
-        return self.schedule is not None
+    scale = _scheduled_scale
+    scheduled = property(_is_scheduled)
 
     def bind(self, replica: Replica) -> Setter:
         opt = replica.optimizer
