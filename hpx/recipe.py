@@ -116,7 +116,7 @@ def autolr(
 def _shape_of(scheduler: LRScheduler, total_steps: int) -> Callable[[int], float]:
     """The scheduler's lr over ``total_steps + 1`` steps as a factor of its peak, read once on a
     copy (the scheduler and its optimizer are left as they are)."""
-    from hpx.schedule import _scheduler_problems, _Shadow
+    from hpx.schedule._shadow import _scheduler_problems, _Shadow
 
     ConfigError.check(_scheduler_problems(scheduler))
     shadow = _Shadow(scheduler)

@@ -1,0 +1,586 @@
+"""The drop-in schedulers (OneCycleLR, ExploreLR) and who writes their values: the engine
+(N > 1 replicas) or the scheduler itself (one replica)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from hpx._onecycle import OneCycleShape
+from hpx.backends.base import Collective
+from hpx.backends.local import InProcess
+from hpx.config import EngineConfig
+from hpx.engine import Engine
+from hpx.errors import BackendError, ConfigError
+from hpx.knobs.base import Knob
+from hpx.registry import Knobs
+from hpx.replica import Replica
+from hpx.schedule._plan import OneCyclePlan, Rule, _Factor, _hdet_problems
+from hpx.schedule._shadow import _scheduler_problems, _Shadow, _shadow_knobs
+from hpx.schedule._util import _any_positive, _is_int, _labels, _lrs, _tuple
+from hpx.signals import LossFn, Signal
+
+# Engine settings a scheduler sets itself (from its own keyword arguments or its rule).
+_OWN_SETTINGS = ("replicas", "sync_every", "warmup")
+_PAPER_SETTINGS = ("space", "decay")
+
+
+# ------------------------------------------------------------------------------------------
+# Who writes the values: the engine (N > 1), or the scheduler itself (one replica)
+
+
+class _Solo:
+    """One replica: nothing to compare or average.
+
+    Writes each knob's ``b * f(t)`` (what the engine writes with ``N = 1``, where ``rho = 1``) and
+    applies the controller's deterministic part at syncs (with one replica ``D = 0``, so a sync
+    only multiplies the bases by ``1 - decay``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, knobs: Knobs, config: EngineConfig, start: int):
+        self.knobs, self.config = knobs, config
+        rep = Replica(0, torch.nn.Module(), optimizer)
+        for k in knobs:
+            k.resolve_base(rep)
+        self._pairs = [(k, k.bind(rep)) for k in knobs]
+        self.step_count = start
+        self.write()
+
+    def write(self) -> None:
+        t = self.step_count
+        for k, setter in self._pairs:
+            setter(k.base * k.scale(t))
+
+    def advance(self, loss: Any = None, batch: Any = None, loss_fn: LossFn | None = None) -> None:
+        self.step_count += 1
+        cfg = self.config
+        if (cfg.decay and cfg.controller and self.step_count % cfg.sync_every == 0
+                and self.step_count >= cfg.warmup):
+            for k, _ in self._pairs:
+                if k.explore and k.kind == "mul":
+                    k.base = k.clamp(k.base * (1 - cfg.decay))
+        self.write()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"format": 1, "n_replicas": 1, "step": self.step_count, "knobs": self.knobs.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Any hpx state will do (an engine's too): one replica needs only the step and the bases.
+        self.knobs.load_state_dict(state["knobs"])
+        self.step_count = int(state["step"])
+        self.write()
+
+
+class _Driven:
+    """An :class:`~hpx.Engine` with one local replica: the user's model and optimizer."""
+
+    def __init__(self, engine: Engine, start: int) -> None:
+        self.engine = engine
+        if start:  # resuming torch-style (last_epoch): syncs stay on multiples of sync_every
+            state = {**engine.state_dict(), "step": start}
+            del state["next_sync"]
+            self._load(state)
+
+    @property
+    def step_count(self) -> int:
+        return self.engine.step_count
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @config.setter
+    def config(self, value: EngineConfig) -> None:
+        self.engine.config = value
+
+    def advance(self, loss: Any = None, batch: Any = None, loss_fn: LossFn | None = None) -> None:
+        if loss is not None:
+            self.engine.record(loss if torch.is_tensor(loss) else torch.tensor(float(loss)))
+        self.engine.advance(batch=batch, loss_fn=loss_fn)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self.engine.state_dict()
+        del state["replicas"]  # the model and optimizer are the user's to save (torch's contract)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "slots" not in state:
+            raise ConfigError([f"this checkpoint was saved with {state.get('n_replicas', 1)} replica(s) "
+                               f"and no engine; this scheduler runs {self.engine.n_replicas} replicas"])
+        state = dict(state)
+        e = self.engine
+        first = e.collective.rank * e.n_local
+        if state.get("first") != first:
+            # Saved on another rank: bases, controller and permutations are the same on every rank,
+            # but the interval's loss sum is that rank's own, so this rank's interval restarts.
+            state.update(first=first, acc=torch.zeros(e.n_local), acc_n=[0] * e.n_local)
+        self._load(state)
+
+    def _load(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        state.pop("replicas", None)  # hpx's own state only: the model and optimizer stay the user's
+        self.engine.load_state_dict(state)
+
+
+# ------------------------------------------------------------------------------------------
+# The schedulers
+
+
+class _Scheduler(LRScheduler):
+    """What :class:`OneCycleLR` and :class:`ExploreLR` share: the driver, ``step(loss)``,
+    ``get_last_lr`` and checkpoints. Not constructed directly."""
+
+    optimizer: torch.optim.Optimizer
+    _driver: _Solo | _Driven
+
+    def _start(
+        self,
+        optimizer: torch.optim.Optimizer,
+        knobs: list[Knob],
+        config: EngineConfig,
+        *,
+        model: torch.nn.Module | None,
+        backend: Collective,
+        signal: Signal | None,
+        spread: Any,
+        start: int,
+    ) -> None:
+        n = backend.world_size
+        if n > 1 and model is not None:
+            engine = Engine(model, optimizer, Knobs(*knobs), backend=backend, signal=signal, config=config)
+            self._driver = _Driven(engine, start)
+        else:
+            if n == 1 and _any_positive(spread):
+                warnings.warn(
+                    f"{type(self).__name__}: one replica (no torch.distributed process group with more "
+                    f"than one process), so spread={spread!r} has nothing to explore: the learning "
+                    "rates are the schedule's own", UserWarning, stacklevel=3)
+            self._driver = _Solo(optimizer, Knobs(*knobs, seed=config.seed), config, start)
+        self._get_lr_called_within_step = False
+        self._is_initial = False
+        self._step_count = 1
+        self._last_lr = _lrs(self.optimizer)
+
+    # --- torch's scheduler interface ------------------------------------------------------
+
+    def step(self, loss: torch.Tensor | float | None = None, *, batch: Any = None,  # type: ignore[override]
+             loss_fn: LossFn | None = None) -> None:
+        """Advance one optimizer step: record ``loss``, sync every ``sync_every`` steps, and write
+        the next step's learning rates (and momenta) into the optimizer.
+
+        Args:
+            loss: this replica's training loss of the step just taken (a tensor stays on its
+                device: no host read). Needed when replicas are compared on their training loss
+                (the default signal) and the controller acts; otherwise ignored.
+            batch, loss_fn: handed to a signal that scores replicas on a batch at the sync
+                (:class:`~hpx.SharedBatch`); ``loss_fn(replica, batch)``.
+        """
+        self._before_step()
+        self._driver.advance(loss, batch, loss_fn)
+        self._step_count += 1
+        self._after_step()
+        self._last_lr = _lrs(self.optimizer)
+
+    def get_last_lr(self) -> list[float | torch.Tensor]:
+        """The learning rates last written into this process's optimizer, one per param group."""
+        return self._last_lr
+
+    def get_lr(self) -> list[float | torch.Tensor]:
+        """The learning rates of the current step (this replica's, spread included)."""
+        return _lrs(self.optimizer)
+
+    # --- hpx --------------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine running HDET, or None with one replica (nothing to average or compare)."""
+        return self._driver.engine if isinstance(self._driver, _Driven) else None
+
+    @property
+    def n_replicas(self) -> int:
+        """``N``, the number of replicas (processes) exploring together."""
+        return self.engine.n_replicas if self.engine is not None else 1
+
+    @property
+    def bases(self) -> dict[str, float]:
+        """Every knob's base ``b``: for ``rule="hpx"`` the learned correction of each group's
+        schedule (1 = as scheduled); for ``rule="paper"`` after the handover, the base lr."""
+        if isinstance(self._driver, _Driven):
+            return self._driver.engine.bases
+        return {k.name: k.base for k in self._driver.knobs}
+
+    # --- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything but the optimizer and model (save those yourself, as with any torch
+        scheduler): step counters, last lrs, the schedule, and hpx's state (knob bases,
+        controller velocity, permutation stream and the current interval's loss sums).
+
+        Under torch.distributed every rank's hpx state is the same except for that interval's
+        loss sum, so one rank's file can be loaded on every rank. Save at a sync step
+        (``step % sync_every == 0``) for an exact resume: replicas' weights are equal there.
+        """
+        state = {
+            "last_epoch": self.last_epoch,
+            "_step_count": self._step_count,
+            "base_lrs": list(self.base_lrs),
+            "_last_lr": list(self._last_lr),
+            "hdet": dict(self._hdet),
+            "hpx": self._driver.state_dict(),
+        }
+        state.update(self._own_state())
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, also one from a scheduler built with other schedule
+        arguments (the saved schedule replaces this one's, as with torch's schedulers).
+
+        The rule, ``sync_every`` and ``warmup`` must match (they fix when the controller acts).
+        Loading writes the restored step's values into the optimizer: load the optimizer's state
+        first, then the scheduler's.
+        """
+        saved = state_dict.get("hdet", {})
+        problems = [f"checkpoint was saved with {k}={saved.get(k)!r}, this scheduler has {k}={v!r}"
+                    for k, v in self._hdet.items() if k != "spread" and saved.get(k) != v]
+        ConfigError.check(problems)
+        self._load_own_state(state_dict)
+        self._driver.load_state_dict(state_dict["hpx"])
+        self.last_epoch = int(state_dict["last_epoch"])
+        self._step_count = int(state_dict["_step_count"])
+        self.base_lrs = list(state_dict["base_lrs"])
+        self._last_lr = list(state_dict["_last_lr"])
+
+    # --- what subclasses provide ------------------------------------------------------------
+
+    _hdet: dict[str, Any]
+
+    def _before_step(self) -> None:
+        raise NotImplementedError
+
+    def _after_step(self) -> None:
+        raise NotImplementedError
+
+    def _own_state(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+
+class OneCycleLR(_Scheduler):
+    """torch's ``OneCycleLR``, exactly, with HDET exploration around it.
+
+    The positional and keyword arguments up to ``last_epoch`` are torch's, with torch's meaning
+    (``max_lr`` one per group or one for all; ``total_steps``, or ``epochs`` and
+    ``steps_per_epoch``; ``cycle_momentum`` cycles SGD's ``momentum`` or Adam's ``beta1``). With
+    ``spread=0`` or one replica the learning rates and momenta written are torch's own floats.
+
+    Keyword-only, HDET's:
+
+    Args:
+        model: this process's model (may be wrapped in DistributedDataParallel), so replicas'
+            parameters *and* floating buffers can be averaged. Required when there is more than
+            one replica and a spread; without it (and spread 0) this is plain OneCycleLR.
+        spread: ``alpha`` in ``[0, 1)``, one for all groups or one per group: replica ``r``'s lr
+            is ``rho_r`` times the base, ``rho`` evenly spread over ``[1 - alpha, 1 + alpha]``.
+        rule: ``"hpx"`` (learn a multiplicative correction of OneCycle, in log space) or
+            ``"paper"`` (the paper's controller replaces the base after ``warmup``); see
+            :class:`OneCyclePlan`.
+        sync_every: ``T``, steps between syncs (weight averaging, controller, new permutations).
+        warmup: steps before the controller acts (averaging and the spread start at once).
+            ``None``: 0 for ``"hpx"``, OneCycle's peak for ``"paper"``.
+        backend: the :class:`~hpx.backends.Collective`. ``None``: ``TorchDistributed()`` when
+            a torch.distributed process group is initialised (one replica per process), else
+            one replica.
+        signal: what replicas are compared on (default: their training loss over the interval,
+            as passed to :meth:`step`).
+        **settings: other :class:`~hpx.EngineConfig` settings (``seed``, ``temperature``,
+            ``meta_lr``, ``controller``, ``average``, ``mode``, ...). With ``rule="paper"``,
+            ``space`` and ``decay`` are the rule's and cannot be given.
+
+    Under torch.distributed with ``mode="shared"`` (the default) wrap the model in
+    DistributedDataParallel: the scheduler is stepped after ``optimizer.step()``, too late to
+    average gradients itself.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_lr: float | list[float],
+        total_steps: int | None = None,
+        epochs: int | None = None,
+        steps_per_epoch: int | None = None,
+        pct_start: float = 0.3,
+        anneal_strategy: Literal["cos", "linear"] = "cos",
+        cycle_momentum: bool = True,
+        base_momentum: float | list[float] = 0.85,
+        max_momentum: float | list[float] = 0.95,
+        div_factor: float = 25.0,
+        final_div_factor: float = 1e4,
+        three_phase: bool = False,
+        last_epoch: int = -1,
+        *,
+        model: torch.nn.Module | None = None,
+        spread: float | Sequence[float] = 0.0,
+        rule: Rule = "hpx",
+        sync_every: int = 50,
+        warmup: int | None = None,
+        backend: Collective | None = None,
+        signal: Signal | None = None,
+        **settings: Any,
+    ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+        self.optimizer = optimizer
+        n_groups = len(optimizer.param_groups)
+        problems: list[str] = []
+        shape = None
+        try:
+            shape = OneCycleShape.from_args(
+                n_groups, max_lr, total_steps=total_steps, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                pct_start=pct_start, anneal_strategy=anneal_strategy, cycle_momentum=cycle_momentum,
+                base_momentum=base_momentum, max_momentum=max_momentum, div_factor=div_factor,
+                final_div_factor=final_div_factor, three_phase=three_phase)
+        except ConfigError as e:
+            problems += e.problems
+        if not (_is_int(last_epoch) and last_epoch >= -1):
+            problems.append(f"last_epoch must be an integer >= -1 (got {last_epoch!r})")
+        defaults = optimizer.defaults
+        if cycle_momentum is True and "momentum" not in defaults and "betas" not in defaults:
+            problems.append(f"cycle_momentum=True needs an optimizer with momentum or betas "
+                            f"({type(optimizer).__name__} has neither); pass cycle_momentum=False")
+        problems += _hdet_problems(spread, rule, sync_every, warmup, n_groups)
+        plan = None
+        if not problems:
+            assert shape is not None
+            try:
+                plan = OneCyclePlan(shape, spread=_tuple(spread), rule=rule, sync_every=sync_every,
+                                    warmup=warmup, labels=_labels(optimizer))
+            except ConfigError as e:
+                problems += e.problems
+        own = plan.settings() if plan is not None else {}
+        config, backend, more = _resolve(self, settings, own, rule=rule, model=model, spread=spread,
+                                         backend=backend)
+        ConfigError.check(problems + more)
+        assert plan is not None and shape is not None and config is not None and backend is not None
+        start = last_epoch + 1
+        plan.check_step(start)  # torch's "Tried to step ..." error, as its constructor raises it
+
+        if last_epoch == -1:  # as torch: record the cycle's anchors in the groups
+            for g, group in enumerate(optimizer.param_groups):
+                group["initial_lr"] = shape.initial_lr(g)
+                group["max_lr"] = shape.max_lrs[g]
+                group["min_lr"] = shape.min_lr(g)
+                bounds = shape.momentum_bounds(g)
+                if bounds is not None:
+                    group["base_momentum"], group["max_momentum"] = bounds
+        self.plan = plan
+        self.total_steps = shape.total_steps
+        self.cycle_momentum = shape.cycle_momentum
+        self.use_beta1 = "betas" in optimizer.defaults
+        self.base_lrs = [g.get("initial_lr", shape.initial_lr(i))
+                         for i, g in enumerate(optimizer.param_groups)]
+        self.last_epoch = start
+        self._hdet = {"rule": rule, "sync_every": plan.sync_every, "warmup": plan.warmup,
+                      "spread": plan.spread}
+        self._start(optimizer, plan.knobs(), config, model=model, backend=backend, signal=signal,
+                    spread=spread, start=start)
+
+    @property
+    def shape(self) -> OneCycleShape:
+        """The OneCycle schedule (a value: ask it for any group's lr or momentum at any step)."""
+        return self.plan.shape
+
+    def _before_step(self) -> None:
+        self.plan.check_step(self.last_epoch + 1)  # torch's error, before anything has moved
+
+    def _after_step(self) -> None:
+        self.last_epoch = self._driver.step_count
+
+    def _own_state(self) -> dict[str, Any]:
+        s = self.plan.shape
+        return {
+            "total_steps": s.total_steps,
+            "schedule": {
+                "max_lrs": list(s.max_lrs), "total_steps": s.total_steps, "pct_start": s.pct_start,
+                "anneal_strategy": s.anneal_strategy, "cycle_momentum": s.cycle_momentum,
+                "base_momentum": s.base_momentum, "max_momentum": s.max_momentum,
+                "div_factor": s.div_factor, "final_div_factor": s.final_div_factor,
+                "three_phase": s.three_phase,
+            },
+        }
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        sch = dict(state["schedule"])
+        sch["max_lrs"] = tuple(sch["max_lrs"])
+        shape = OneCycleShape(**sch)
+        if shape == self.plan.shape:
+            return
+        mine = self.plan.shape
+        if shape.n_groups != mine.n_groups or shape.cycle_momentum != mine.cycle_momentum:
+            raise ConfigError(
+                [f"checkpoint's schedule has {shape.n_groups} param group(s) and cycle_momentum="
+                 f"{shape.cycle_momentum}; this scheduler {self.plan.shape.n_groups} and "
+                 f"{self.plan.shape.cycle_momentum}"])
+        p = self.plan
+        plan = OneCyclePlan(shape, spread=p.spread, rule=p.rule, sync_every=p.sync_every,
+                            warmup=self._hdet["warmup"], labels=p.labels)
+        for k in self._driver.knobs if isinstance(self._driver, _Solo) else self._driver.engine.knobs:
+            sched = getattr(k, "schedule", None)
+            if isinstance(sched, _Factor):
+                sched.plan = plan
+        if p.rule == "paper":
+            own = plan.settings()
+            self._driver.config = self._driver.config.model_copy(
+                update={"decay": own["decay"], "warmup": own["warmup"]})
+        self.plan = plan
+        self.total_steps = shape.total_steps
+        self.cycle_momentum = shape.cycle_momentum
+
+
+class ExploreLR(_Scheduler):
+    """HDET exploration on top of any torch scheduler: its shape is kept, a correction is learned.
+
+    Group ``g`` of replica ``r`` trains at ``b_g * rho_r * lr_g(t)``, where ``lr_g(t)`` is what
+    ``scheduler`` would have written at step ``t`` and ``b_g`` (starting at 1) is the controller's
+    multiplicative correction. With ``spread=0`` or one replica the lrs are the scheduler's own
+    floats. Cosine, linear warm-up and decay, warmup-stable-decay (SequentialLR), LambdaLR,
+    ChainedScheduler, CyclicLR and torch's own OneCycleLR all work; ReduceLROnPlateau does not (it
+    follows a metric, not the step). A momentum the scheduler cycles is passed on unchanged.
+
+    The scheduler is copied onto a shadow optimizer and stepped there, so chainable schedulers
+    compute from their own previous lr, not from a replica's spread value. Step only the
+    ExploreLR afterwards, not the scheduler you wrapped.
+
+    Args:
+        scheduler: the torch scheduler, built on the optimizer as usual.
+        model, spread, sync_every, warmup, backend, signal, settings: as for :class:`OneCycleLR`
+            (``warmup`` defaults to 0; the controller learns in log space by default).
+    """
+
+    def __init__(
+        self,
+        scheduler: LRScheduler,
+        *,
+        model: torch.nn.Module | None = None,
+        spread: float | Sequence[float] = 0.0,
+        sync_every: int = 50,
+        warmup: int = 0,
+        backend: Collective | None = None,
+        signal: Signal | None = None,
+        **settings: Any,
+    ) -> None:
+        problems = _scheduler_problems(scheduler)
+        n_groups = len(scheduler.optimizer.param_groups) if not problems else None
+        problems += _hdet_problems(spread, "hpx", sync_every, warmup, n_groups)
+        own = {"sync_every": sync_every, "warmup": warmup} if not problems else {}
+        config, backend, more = _resolve(self, settings, own, rule="hpx", model=model, spread=spread,
+                                         backend=backend)
+        ConfigError.check(problems + more)
+        assert config is not None and backend is not None
+        self.optimizer = scheduler.optimizer
+        self._shadow = _Shadow(scheduler)
+        self.base_lrs = list(getattr(scheduler, "base_lrs", None)  # SequentialLR has none
+                             or [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups])
+        self.last_epoch = scheduler.last_epoch
+        self._hdet = {"rule": "hpx", "sync_every": sync_every, "warmup": warmup, "spread": _tuple(spread)}
+        knobs = _shadow_knobs(self._shadow, spread, _labels(self.optimizer))
+        self._start(self.optimizer, knobs, config, model=model, backend=backend, signal=signal,
+                    spread=spread, start=0)
+
+    @property
+    def scheduler(self) -> LRScheduler:
+        """The copy of the wrapped scheduler that is being stepped (on a shadow optimizer)."""
+        return self._shadow.scheduler
+
+    def _before_step(self) -> None:
+        # Step the wrapped scheduler first: if it refuses (past its end), nothing else has moved.
+        self._shadow.advance_to(self._driver.step_count + 1)
+
+    def _after_step(self) -> None:
+        self.last_epoch = self._shadow.scheduler.last_epoch
+
+    def _own_state(self) -> dict[str, Any]:
+        return {"scheduler": self._shadow.state_dict()}
+
+    def _load_own_state(self, state: dict[str, Any]) -> None:
+        self._shadow.load_state_dict(state["scheduler"])
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _resolve(
+    sched: _Scheduler,
+    settings: dict[str, Any],
+    own: dict[str, Any],
+    *,
+    rule: Any,
+    model: Any,
+    spread: Any,
+    backend: Collective | None,
+) -> tuple[EngineConfig | None, Collective | None, list[str]]:
+    """Validate the HDET settings together; return the engine config, the backend and problems."""
+    problems: list[str] = []
+    name = type(sched).__name__
+    for key in _OWN_SETTINGS:
+        if key in settings:
+            if key == "replicas":
+                problems.append(
+                    f"replicas is not a setting of {name} (got {settings[key]!r}): it drives one "
+                    "optimizer, so one replica per process; for N replicas run N processes under "
+                    "torch.distributed, or use hpx.Engine with an optimizer factory")
+    if rule == "paper":
+        for key in _PAPER_SETTINGS:
+            if key in settings:
+                problems.append(f"{key} is set by rule='paper' (got {key}={settings[key]!r}); use "
+                                "rule='hpx' to choose it")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        problems.append(f"model must be a torch.nn.Module or None (got {type(model).__name__})")
+    config = None
+    passed = {k: v for k, v in settings.items()
+              if k not in _OWN_SETTINGS + (_PAPER_SETTINGS if rule == "paper" else ())}
+    try:
+        EngineConfig.build(**passed)  # the user's settings alone, so their problems are listed too
+    except ConfigError as e:
+        problems += e.problems
+    else:
+        if own:
+            config = EngineConfig.build(**{**own, **passed, "replicas": 1})
+    if backend is None and (model is not None or _any_positive(spread)):
+        backend = _default_backend()
+    elif backend is None:
+        backend = InProcess()
+    if backend is not None and not isinstance(backend, Collective):
+        problems.append(f"backend must implement hpx.backends.Collective (got {type(backend).__name__})")
+        return config, None, problems
+    n = backend.world_size
+    if n > 1 and model is None and _any_positive(spread):
+        problems.append(
+            f"spread={spread!r} with {n} replicas needs model=...: the replicas' parameters and "
+            "buffers are averaged every sync_every steps, which needs the model (pass the one you "
+            "train, wrapped in DistributedDataParallel or not)")
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    mode = settings.get("mode", "shared")
+    if n > 1 and model is not None and not ddp and mode == "shared":
+        problems.append(
+            f"mode='shared' with {n} processes needs the model wrapped in DistributedDataParallel "
+            f"(got a bare {type(model).__name__}): {name} is stepped after optimizer.step(), too "
+            "late to average gradients itself; wrap it, or pass mode='independent' for replicas "
+            "that train on their own gradients between syncs")
+    return config, backend, problems
+
+
+def _default_backend() -> Collective:
+    """``TorchDistributed()`` if a process group is initialised, else one replica in process."""
+    from hpx.backends import TorchDistributed  # the module that imports torch.distributed
+
+    try:
+        return TorchDistributed()
+    except BackendError:
+        return InProcess()

@@ -1,0 +1,165 @@
+"""Any torch scheduler, stepped on a shadow optimizer: the knobs that explore on top of it."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from hpx.errors import ConfigError
+from hpx.knobs.base import Knob
+from hpx.knobs.optim import LearningRate
+from hpx.schedule._plan import _CycledMomentum, _hdet_problems
+from hpx.schedule._util import _per_group, _plain
+
+# ------------------------------------------------------------------------------------------
+# Any torch scheduler, stepped on a shadow optimizer
+
+
+class _ShadowOptimizer(torch.optim.Optimizer):
+    """Stands in for the user's optimizer under a copy of their scheduler.
+
+    Same ``defaults`` and param-group settings (so schedulers that read ``initial_lr``, ``betas``
+    or the current ``lr`` see what they would see), one empty tensor per group instead of the
+    parameters, and a ``step`` that does nothing. The schedulers write into its groups; hpx reads
+    them. Learning rates are kept as Python floats, so reading them never waits on a device.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = []
+        for g in optimizer.param_groups:
+            group = {k: _plain(v) for k, v in g.items() if k != "params"}
+            group["params"] = [torch.empty(0)]
+            groups.append(group)
+        super().__init__(groups, {k: _plain(v) for k, v in optimizer.defaults.items()})
+        # What LRScheduler.step checks to warn about calling order: this optimizer is "stepped".
+        self._opt_called = True
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        return None
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+
+class _Shadow:
+    """A copy of the user's scheduler, stepped lazily as the engine's step advances.
+
+    Chainable schedulers (StepLR, ExponentialLR, SequentialLR, ChainedScheduler) compute each lr
+    from the previous one, so they must be stepped in order and on an optimizer whose lr is the
+    schedule's own, not the replica's spread value: hence the copy on a shadow optimizer.
+    """
+
+    def __init__(self, scheduler: LRScheduler) -> None:
+        self.optimizer = _ShadowOptimizer(scheduler.optimizer)
+        # Deep-copy the scheduler with the user's optimizer replaced by the shadow everywhere
+        # (nested schedulers included); nothing of the model or optimizer state is copied.
+        self.scheduler: LRScheduler = copy.deepcopy(scheduler, {id(scheduler.optimizer): self.optimizer})
+        self.step = 0
+        self.use_beta1 = "betas" in self.optimizer.defaults
+        self.cycles_momentum = any(getattr(s, "cycle_momentum", False) for s in _walk(scheduler))
+
+    def advance_to(self, step: int) -> None:
+        while self.step < step:
+            self.scheduler.step()
+            self.step += 1
+        if step < self.step:
+            raise ValueError(f"a wrapped scheduler only moves forward: asked for step {step} at step "
+                             f"{self.step}")
+
+    def lr(self, group: int, step: int) -> float:
+        self.advance_to(step)
+        v = self.optimizer.param_groups[group]["lr"]
+        return v if type(v) is float else float(v)
+
+    def momentum(self, group: int, step: int) -> float:
+        self.advance_to(step)
+        g = self.optimizer.param_groups[group]
+        return float(g["betas"][0] if self.use_beta1 else g["momentum"])
+
+    def state_dict(self) -> dict[str, Any]:
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return copy.deepcopy({"step": self.step, "scheduler": self.scheduler.state_dict(),
+                              "groups": groups})
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if len(state["groups"]) != len(self.optimizer.param_groups):
+            raise ConfigError([f"checkpoint's scheduler has {len(state['groups'])} param groups, this "
+                               f"one {len(self.optimizer.param_groups)}"])
+        self.scheduler.load_state_dict(copy.deepcopy(state["scheduler"]))
+        for g, saved in zip(self.optimizer.param_groups, state["groups"]):
+            g.update(copy.deepcopy(saved))
+        self.step = int(state["step"])
+
+
+class _ShadowLR:
+    __slots__ = ("group", "shadow")
+
+    def __init__(self, shadow: _Shadow, group: int) -> None:
+        self.shadow, self.group = shadow, group
+
+    def __call__(self, step: int) -> float:
+        return self.shadow.lr(self.group, step)
+
+
+class _ShadowMomentum(_ShadowLR):
+    __slots__ = ()
+
+    def __call__(self, step: int) -> float:
+        return self.shadow.momentum(self.group, step)
+
+
+def _walk(s: Any) -> Iterator[Any]:
+    yield s
+    for child in getattr(s, "_schedulers", ()) or ():
+        yield from _walk(child)
+
+
+def _shadow_knobs(shadow: _Shadow, spread: Any, labels: Sequence[str] | None) -> list[Knob]:
+    n = len(shadow.optimizer.param_groups)
+    labels = list(labels) if labels is not None else [str(g) for g in range(n)]
+    spreads = _per_group(spread, n)
+    out: list[Knob] = [
+        LearningRate(f"lr/{labels[g]}", group=g, base=1.0, spread=spreads[g], schedule=_ShadowLR(shadow, g))
+        for g in range(n)
+    ]
+    if shadow.cycles_momentum:
+        out += [_CycledMomentum(f"momentum/{labels[g]}", group=g, schedule=_ShadowMomentum(shadow, g))
+                for g in range(n)]
+    return out
+
+
+def explore_knobs(scheduler: LRScheduler, *, spread: float | Sequence[float] = 0.0) -> list[Knob]:
+    """Knobs that explore on top of ``scheduler``, for an :class:`~hpx.Engine` of your own.
+
+    One :class:`~hpx.LearningRate` per param group, ``lr = b * rho * scheduler's lr(t)`` with ``b``
+    starting at 1 (plus a cycled momentum per group if the scheduler cycles momentum). The
+    scheduler is copied onto a shadow optimizer and stepped there as the engine steps; the
+    scheduler you pass and its optimizer are left as they are. Build it on an optimizer whose
+    param groups match the replicas' (for example replica 0's, or a template)::
+
+        template = torch.optim.SGD(model.parameters(), lr=0.1)
+        knobs = hpx.explore_knobs(CosineAnnealingLR(template, T_max=2000), spread=0.2)
+        engine = hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), knobs, replicas=4)
+    """
+    problems = _scheduler_problems(scheduler)
+    n = len(scheduler.optimizer.param_groups) if not problems else None
+    problems += _hdet_problems(spread, "hpx", 1, None, n)
+    ConfigError.check(problems)
+    return _shadow_knobs(_Shadow(scheduler), spread, None)
+
+
+def _scheduler_problems(scheduler: Any) -> list[str]:
+    from hpx.schedule._schedulers import _Scheduler  # the schedulers build on this module
+
+    if isinstance(scheduler, _Scheduler):
+        return [f"scheduler is already an hpx scheduler ({type(scheduler).__name__}); wrap the torch "
+                "scheduler it was built from instead"]
+    if isinstance(scheduler, ReduceLROnPlateau):
+        return ["scheduler must be a step-driven LRScheduler; ReduceLROnPlateau follows a metric, "
+                "so it has no schedule to explore around"]
+    if not isinstance(scheduler, LRScheduler):
+        return [f"scheduler must be a torch.optim.lr_scheduler.LRScheduler (got {type(scheduler).__name__})"]
+    return []
