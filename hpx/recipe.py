@@ -75,7 +75,8 @@ def autolr(
         schedule: the lr's shape over the run: ``f(step) -> factor`` for every group (1 at the
             peak), or a torch ``LRScheduler`` built on an optimizer with the same param groups
             (stepped once on a copy and divided by its peak; every group must follow the same
-            shape). ``None``: constant. Build ``optimizer`` with the *peak* learning rates.
+            shape; its peak learning rates are the ones explored around). ``None``: constant.
+            Build ``optimizer`` with the *peak* learning rates.
         probe: held-out batches to compare replicas on (cycled; a list of a few batches of a
             validation split is enough). ``None``: each sync step's training batch, scored
             before the replicas train on it.
@@ -104,18 +105,19 @@ def autolr(
     if any(getattr(k, "name", None) == "lr" for k in knobs):
         problems.append("knob name 'lr' is autolr's own learning-rate knob: name yours differently")
     ConfigError.check(problems)
+    lrs = None
     if isinstance(schedule, LRScheduler):
-        schedule = _shape_of(schedule, int(total_steps))
+        schedule, lrs = _shape_of(schedule, int(total_steps))
     search = Bracket(int(total_steps), span=span, window=window)
     signal = ProbeStream(probe, loss_fn=loss_fn) if probe is not None else SharedBatch(loss_fn=loss_fn)
-    registry = Knobs(LearningRateScale("lr", schedule=schedule), *knobs)
+    registry = Knobs(LearningRateScale("lr", schedule=schedule, lrs=lrs), *knobs)
     return Engine(model, optimizer, registry, backend=backend, signal=signal, search=search,
                   replicas=replicas, **settings)
 
 
-def _shape_of(scheduler: LRScheduler, total_steps: int) -> Callable[[int], float]:
-    """The scheduler's lr over ``total_steps + 1`` steps as a factor of its peak, read once on a
-    copy (the scheduler and its optimizer are left as they are)."""
+def _shape_of(scheduler: LRScheduler, total_steps: int) -> tuple[Callable[[int], float], list[float]]:
+    """The scheduler's lr over ``total_steps + 1`` steps as a factor of its peak, and each group's
+    peak lr, read once on a copy (the scheduler and its optimizer are left as they are)."""
     from hpx.schedule._shadow import _scheduler_problems, _Shadow
 
     ConfigError.check(_scheduler_problems(scheduler))
@@ -134,7 +136,7 @@ def _shape_of(scheduler: LRScheduler, total_steps: int) -> Callable[[int], float
                     [f"param group {g} follows another shape than group {ref} at step {t} "
                      f"({row[g] / peaks[g]:.6g} against {factor:.6g} of their peaks): autolr scales "
                      "every group by one factor; declare hpx.LearningRate knobs per group instead"])
-    return _Table([row[ref] / peaks[ref] for row in lrs])
+    return _Table([row[ref] / peaks[ref] for row in lrs]), peaks
 
 
 class _Table:

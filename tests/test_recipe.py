@@ -106,6 +106,23 @@ def test_autolr_follows_a_torch_scheduler_relative_to_its_peak():
     assert peak == pytest.approx(1.0)
     assert knob.scale(0) == pytest.approx(1 / 25)  # OneCycle starts at max_lr / div_factor
     assert template.param_groups[0]["lr"] == pytest.approx(0.1 / 25)  # the user's scheduler untouched
+    # the scheduler's peaks are what is scaled, whatever lr its optimizer holds now
+    group_lrs = [g["lr"] for g in engine.replicas[0].optimizer.param_groups]
+    assert group_lrs == pytest.approx([0.1 / 25, 0.01 / 25])
+
+
+def test_autolr_on_the_optimizer_its_scheduler_already_drives():
+    """One replica per process: the scheduler was built on the very optimizer given, which OneCycle
+    has already set to max_lr / 25; the peaks still come from the scheduler."""
+    model = mlp()
+    opt = two_groups(model, 0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.2, 0.02], total_steps=50)
+    engine = hpx.autolr(model, opt, total_steps=50, schedule=sched, replicas=1)
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.2 / 25, 0.02 / 25])
+    knob = engine.knobs["lr"]
+    peak = max(range(51), key=knob.scale)
+    knob.bind(engine.replicas[0])(knob.scale(peak))
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.2, 0.02])
 
 
 def test_autolr_refuses_groups_with_different_shapes():

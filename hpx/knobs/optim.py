@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -170,6 +170,8 @@ class LearningRateScale(Knob):
     Args:
         schedule: ``f(step) -> factor`` shared by every group (a warm-up, a cosine),
             or ``None`` for a constant.
+        lrs: the learning rates ``lr_g`` to scale, one per group (default: each
+            group's lr when the knob is bound).
         base, spread, span, bounds, explore: as for :class:`~hpx.Knob` (``base``
             defaults to 1).
     """
@@ -184,23 +186,27 @@ class LearningRateScale(Knob):
         span: float | None = None,
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
+        lrs: Sequence[float] | None = None,
     ) -> None:
         super().__init__(name, base=base, spread=spread, kind="mul", bounds=bounds, explore=explore,
                          span=span)
         self.schedule = _checked_schedule(name, schedule)
+        self.lrs = None if lrs is None else [float(x) for x in lrs]
 
     scale = _scheduled_scale
     scheduled = property(_is_scheduled)
 
     def bind(self, replica: Replica) -> Setter:
         opt = replica.optimizer
-        lrs = []
-        for i, g in enumerate(opt.param_groups):
-            lr = g.get("initial_lr", g["lr"])
-            lr = lr.item() if hasattr(lr, "item") else float(lr)
-            if lr < 0:
-                raise ConfigError([f"knob {self.name!r}: parameter group {i} has a negative lr ({lr})"])
-            lrs.append(lr)
+        lrs = self.lrs
+        if lrs is None:
+            lrs = [float(g["lr"].item() if torch.is_tensor(g["lr"]) else g["lr"]) for g in opt.param_groups]
+        if len(lrs) != len(opt.param_groups):
+            raise ConfigError([f"knob {self.name!r} has {len(lrs)} learning rates for "
+                               f"{len(opt.param_groups)} parameter groups"])
+        for i, lr in enumerate(lrs):
+            if not lr >= 0:
+                raise ConfigError([f"knob {self.name!r}: parameter group {i} has lr {lr}; it must be >= 0"])
         if not any(lr > 0 for lr in lrs):
             raise ConfigError([f"knob {self.name!r} scales the optimizer's learning rates, but every "
                                f"group's lr is 0 ({lrs}): build the optimizer with the lr you would use"])
