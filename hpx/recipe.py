@@ -1,15 +1,14 @@
 """The recommended setup: :func:`autolr` turns a run's model, optimizer and schedule into an
 engine whose replicas find the learning rate.
 
-Everything the method needs is derived from the run's length and the replica count; nothing
-has to be tuned:
+Nothing has to be tuned:
 
 * one :class:`~hpx.LearningRateScale` knob, a factor on every parameter group's learning rate
   (base 1: the lr the optimizer was built with, times your schedule);
-* the :class:`~hpx.search.Bracket` strategy: in the first 10% of the run the replicas spread
-  geometrically from half to twice the base and sync 8 times; after two syncs that only merge,
-  the base moves toward the better side until the best value is bracketed; then the spread is
-  dropped and the run continues as plain data-parallel training at the value found;
+* the :class:`~hpx.search.Bracket` strategy: for the first 80 steps the replicas spread
+  geometrically from half to twice the base and sync every 10 steps; the base moves toward the
+  better side (at the first two syncs only down) until the best value is bracketed; then the
+  spread is dropped and the run continues as plain data-parallel training at the value found;
 * replicas compared on held-out batches you give (``probe``), or else on the sync step's own
   batch before they train on it (:class:`~hpx.SharedBatch`): a paired comparison.
 """
@@ -52,7 +51,6 @@ def autolr(
     replicas: int | None = None,
     backend: Collective | None = None,
     span: float = 2.0,
-    window: float = 0.1,
     **settings: Any,
 ) -> Engine:
     """An :class:`~hpx.Engine` that finds the learning rate while it trains.
@@ -86,7 +84,6 @@ def autolr(
         replicas: replicas per process (default 4 in one process, 1 per rank).
         backend: the :class:`~hpx.backends.Collective` (default: in process).
         span: the search's width: replicas from ``b / span`` to ``b * span``.
-        window: the fraction of the run in which the base may move.
         **settings: other :class:`~hpx.EngineConfig` settings (``seed``, ``mode``,
             ``bucket_cap_mb``, ``check_consistency``, ``warm_init``).
     """
@@ -108,7 +105,7 @@ def autolr(
     lrs = None
     if isinstance(schedule, LRScheduler):
         schedule, lrs = _shape_of(schedule, int(total_steps))
-    search = Bracket(int(total_steps), span=span, window=window)
+    search = Bracket(int(total_steps), span=span)
     signal = ProbeStream(probe, loss_fn=loss_fn) if probe is not None else SharedBatch(loss_fn=loss_fn)
     registry = Knobs(LearningRateScale("lr", schedule=schedule, lrs=lrs), *knobs)
     return Engine(model, optimizer, registry, backend=backend, signal=signal, search=search,

@@ -520,7 +520,7 @@ def test_autolr_over_ddp_matches_in_process(ranks, local):
     """The recommended setup under torchrun: the same bracket decisions, values and weights."""
     ref = local["autolr"]["history"]
     phases = [r["phase"] for r in ref]
-    assert "bracket" in phases and phases[-1] == "hold"
+    assert "bracket" in phases and phases[-1] in ("bracketed", "hold")  # the window ran to its end
     assert any(r["bases"]["lr"] != 1.0 for r in ref)  # the bracket moved the base
     for r in ranks:
         hist = r["autolr"]["history"]

@@ -123,7 +123,7 @@ def test_decisions_do_not_touch_the_global_rng(name):
 
 
 def test_bracket_expands_by_the_span_while_the_edge_wins_then_bisects_on_reversal():
-    s = Bracket(1000, span=2.0, burn_in=0, window=0.5, syncs=10)
+    s = Bracket(1000, span=2.0, burn_in=0, every=50, syncs=10)
     d0 = s.start(start_view(spacing=("linear",), spreads=(0.0,)))
     assert d0.spacing == ("log",) and d0.spreads.tolist() == [pytest.approx(math.log(2))]
     assert d0.next_sync == s.every == 50
@@ -174,7 +174,7 @@ def test_bracket_fits_ranks_so_a_blown_up_replica_does_not_slow_the_retreat():
 
 
 def test_bracket_holds_after_its_window_whatever_the_scores():
-    s = Bracket(100, window=0.2, syncs=2, burn_in=0)
+    s = Bracket(100, every=10, syncs=2, burn_in=0)
     assert s.start(start_view()).next_sync == 10
     s.decide(view([4.0, 3.0, 2.0, 1.0], step=10))
     d = s.decide(view([4.0, 3.0, 2.0, 1.0], step=20, bases=(2.0,)))
@@ -190,9 +190,9 @@ def test_bracket_merge_best_picks_the_best_finite_replica():
 
 def test_bracket_settings_are_checked_together():
     with pytest.raises(hpx.ConfigError) as e:
-        Bracket(0, window=1.5, span=1.0, syncs=0, merge="vote")
+        Bracket(0, every=0, span=1.0, syncs=0, merge="vote")
     msg = str(e.value)
-    for part in ("total_steps", "window", "span", "syncs", "merge"):
+    for part in ("total_steps", "every", "span", "syncs", "merge"):
         assert part in msg
 
 
@@ -240,7 +240,7 @@ def test_engine_syncs_when_the_strategy_says_and_merges_with_its_weights(digits)
 def test_engine_writes_geometric_values_and_drops_them_in_hold(digits):
     engine = hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
                         [hpx.LearningRate("lr")], replicas=4,
-                        search=Bracket(40, window=0.5, syncs=2, burn_in=5, span=4.0))
+                        search=Bracket(40, every=10, syncs=2, burn_in=5, span=4.0))
     lrs = sorted(engine.values("lr"))
     assert lrs == pytest.approx([0.1 * 4 ** u for u in (-1, -1 / 3, 1 / 3, 1)])
     for b in data(digits, 21):

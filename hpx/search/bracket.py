@@ -12,9 +12,9 @@ settled, the comparison does carry the information that matters: from too low a
 value the longer steps win by a wide margin, from too high a value the longer
 steps lose by a wide margin.
 
-So :class:`Bracket` searches only in a window at the start of the run, with a wide
-geometric spread and frequent syncs, and stops as soon as the optimum is
-bracketed, the way a line search brackets a minimum:
+So :class:`Bracket` searches only in a window at the start of the run (8 syncs of
+10 steps by default), with a wide geometric spread, and stops as soon as the
+optimum is bracketed, the way a line search brackets a minimum:
 
 1. *Burn-in*: at the first ``burn_in`` syncs a multiplicative knob may only move
    down (in the first steps every replica improves fast and the comparison favours
@@ -58,16 +58,19 @@ class Bracket:
     """Find each knob's value in a bracketing window early in the run, then hold it.
 
     Args:
-        total_steps: the run's length in optimizer steps; the window and the sync
-            intervals are fractions of it.
-        window: the fraction of the run in which the search may move bases
-            (default 0.1: the comparison carries information about the learning
-            rate only before the loss settles at the current one).
+        total_steps: the run's length in optimizer steps (the hold's syncs are
+            spread over what follows the window).
+        every: steps between the window's syncs. A fixed number of steps, not a
+            fraction of the run: what a comparison measures depends on how many
+            steps it spans (over a few steps, while the loss is still in its
+            transient, the longer step wins at any learning rate; over many, once
+            it has settled, the shorter one does), and that time scale belongs to
+            the optimizer and the model, not to the run's length.
         span: the bracket's width: during the window multiplicative knobs spread
             geometrically from ``b / span`` to ``b * span`` (and move by up to
             ``span`` per sync). Additive knobs keep their own ``spread``.
-        syncs: syncs in the window (its interval is ``window * total_steps /
-            syncs`` steps).
+        syncs: syncs in the window, which therefore spans ``every * syncs`` steps
+            (at most the whole run).
         burn_in: syncs at the start at which multiplicative knobs may only move down.
         interior: a fitted minimum within ``interior * alpha`` of the base stops
             the knob there; 0 stops knobs only on a reversal.
@@ -87,7 +90,7 @@ class Bracket:
         self,
         total_steps: int,
         *,
-        window: float = 0.1,
+        every: int = 10,
         span: float = 2.0,
         syncs: int = 8,
         burn_in: int = 2,
@@ -101,8 +104,8 @@ class Bracket:
         problems = []
         if not _is_int(total_steps) or total_steps < 1:
             problems.append(f"total_steps must be an integer >= 1 (got {total_steps!r})")
-        if not _is_real(window) or not 0 < window <= 1:
-            problems.append(f"window must be a fraction of the run in (0, 1] (got {window!r})")
+        if not _is_int(every) or every < 1:
+            problems.append(f"every must be an integer >= 1 (got {every!r}): steps between the syncs")
         if not _is_real(span) or span <= 1:
             problems.append(f"span must be a number > 1 (got {span!r}): the bracket runs from "
                             "base / span to base * span")
@@ -123,12 +126,12 @@ class Bracket:
         ConfigError.check(problems)
         self.merge = merge
         self.ranks = bool(ranks)
-        self.total_steps, self.window, self.span = int(total_steps), float(window), float(span)
+        self.total_steps, self.span = int(total_steps), float(span)
         self.syncs, self.burn_in, self.interior = int(syncs), int(burn_in), float(interior)
         self.hold_span, self.hold_spread = float(hold_span), float(hold_spread)
         self.hold_syncs = int(hold_syncs)
-        self.end = max(1, round(self.window * self.total_steps))  # the last step the window covers
-        self.every = max(1, self.end // self.syncs)
+        self.every = int(every)
+        self.end = min(self.total_steps, self.every * self.syncs)  # the last step the window covers
         self.hold_every = max(1, (self.total_steps - self.end) // self.hold_syncs)
         # the search's state (what a checkpoint holds)
         self.n_syncs = 0
@@ -205,7 +208,7 @@ class Bracket:
         self.done = bool(state["done"])
 
     def __repr__(self) -> str:
-        return (f"Bracket(total_steps={self.total_steps}, window={self.window:g}, span={self.span:g}, "
+        return (f"Bracket(total_steps={self.total_steps}, every={self.every}, span={self.span:g}, "
                 f"syncs={self.syncs}, burn_in={self.burn_in}, hold_span={self.hold_span:g})")
 
     # --- helpers ---------------------------------------------------------------------------
