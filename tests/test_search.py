@@ -22,9 +22,10 @@ def view(scores, values=None, *, step=10, bases=(1.0,), spacing=("log",), spread
          kinds=("mul",), explore=(True,)) -> SyncView:
     scores = torch.tensor(scores, dtype=torch.float64)
     n = scores.numel()
-    if values is None:  # one multiplicative knob, geometric spread around the base
+    if values is None:  # each knob's values around its base, in its spacing
         u = hpx.slot_offsets(n)
-        values = torch.stack([b * torch.exp(s * u) for b, s in zip(bases, spreads)])
+        values = torch.stack([b * torch.exp(s * u) if sp == "log" else b + s * u
+                              for b, s, sp in zip(bases, spreads, spacing)])
     return SyncView(step=step, n_replicas=n, names=tuple(f"k{i}" for i in range(len(bases))),
                     kinds=tuple(kinds), explore=torch.tensor(explore), spacing=tuple(spacing),
                     spreads=torch.tensor(spreads, dtype=torch.float64),
@@ -306,3 +307,14 @@ def test_bad_decisions_name_the_value(digits):
     with pytest.raises(ValueError, match="merge weights"):
         for b in data(digits, 2):
             engine.step(ce, b)
+
+
+def test_bracket_moves_additive_knobs_in_their_own_units_and_keeps_a_share_of_their_spread():
+    s = Bracket(1000, burn_in=0, hold_spread=0.5, syncs=1, every=10)
+    d0 = s.start(start_view(kinds=("add",), spacing=("linear",), spreads=(0.1,), bases=(0.3,)))
+    assert d0.spacing == ("linear",) and d0.spreads.tolist() == [pytest.approx(0.1)]  # its own spread
+    # dropout-like knob: the lowest value scores best
+    d = s.decide(view([1.0, 2.0, 3.0, 4.0], kinds=("add",), spacing=("linear",), spreads=(0.1,),
+                      bases=(0.3,), step=10))
+    assert d.bases.item() == pytest.approx(0.2)          # 0.3 - alpha, in the knob's units
+    assert d.info["phase"] == "bracketed" and d.spreads.tolist() == [pytest.approx(0.05)]
