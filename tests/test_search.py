@@ -175,11 +175,11 @@ def test_bracket_fits_ranks_so_a_blown_up_replica_does_not_slow_the_retreat():
 
 
 def test_bracket_holds_after_its_window_whatever_the_scores():
-    s = Bracket(100, every=10, syncs=2, burn_in=0)
+    s = Bracket(200, every=10, syncs=2, burn_in=0)
     assert s.start(start_view()).next_sync == 10
     s.decide(view([4.0, 3.0, 2.0, 1.0], step=10))
     d = s.decide(view([4.0, 3.0, 2.0, 1.0], step=20, bases=(2.0,)))
-    assert s.done and d.info["phase"] == "bracketed" and d.next_sync == s.hold_every == 8
+    assert s.done and d.info["phase"] == "bracketed" and d.next_sync == s.hold_every == 18  # (200-20)/10
 
 
 def test_bracket_merge_best_picks_the_best_finite_replica():

@@ -132,7 +132,7 @@ class Bracket:
         self.hold_syncs = int(hold_syncs)
         self.every = int(every)
         self.end = min(self.total_steps, self.every * self.syncs)  # the last step the window covers
-        self.hold_every = max(1, (self.total_steps - self.end) // self.hold_syncs)
+        self.hold_every = max(self.every, (self.total_steps - self.end) // self.hold_syncs)
         # the search's state (what a checkpoint holds)
         self.n_syncs = 0
         self.moves: list[float] = []       # per knob, the last move in z (0: none yet)
