@@ -170,28 +170,21 @@ def _factory_at(task: Task, lr: float):
     return factory
 
 
-def _build_autolr(task: Task, spec: RunSpec, model, v: dict[str, Any]):
+def _build_autolr(task: Task, spec: RunSpec, model) -> hpx.Engine:
     """The recommended setup, as a user would write it: hpx.autolr with the task's schedule and
-    probe split. ``v["bracket"]`` (experiments only) replaces the strategy's defaults."""
+    probe split, nothing set per task."""
     def probe_fn(rep, batch):
         return task.probe_loss(rep.model, batch)
 
-    kwargs = dict(total_steps=task.steps, schedule=task.schedule(), probe=task.probe_batches(),
-                  loss_fn=probe_fn, replicas=REPLICAS, seed=spec.seed)
-    if "bracket" not in v:
-        return hpx.autolr(model, _factory_at(task, spec.lr), **kwargs)
-    from hpx.search import Bracket
-    signal = hpx.ProbeStream(kwargs["probe"], loss_fn=probe_fn)
-    knobs = hpx.Knobs(hpx.LearningRateScale("lr", schedule=kwargs["schedule"]))
-    return hpx.Engine(model, _factory_at(task, spec.lr), knobs, signal=signal, replicas=REPLICAS,
-                      seed=spec.seed, search=Bracket(task.steps, **v["bracket"]))
+    return hpx.autolr(model, _factory_at(task, spec.lr), total_steps=task.steps, schedule=task.schedule(),
+                      probe=task.probe_batches(), loss_fn=probe_fn, replicas=REPLICAS, seed=spec.seed)
 
 
 def _run_hpx(task: Task, spec: RunSpec) -> dict[str, Any]:
     v = VARIANTS[spec.variant]
     model = task.model(spec.seed)
     if v.get("recipe") == "autolr":
-        return _drive(task, spec, _build_autolr(task, spec, model, v), None, "probe", scale=spec.lr)
+        return _drive(task, spec, _build_autolr(task, spec, model), None, "probe", scale=spec.lr)
     paper = v.get("paper", False)
     steps = task.steps
     knobs = task.knobs(spec.lr, LR_SPREAD * v.get("spread", 1.0), task.schedule(), scale=v.get("spread", 1.0))
