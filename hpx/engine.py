@@ -181,16 +181,6 @@ class Engine:
             model = prepare(model)
         self.replicas = self._build_replicas(model, optimizer, local)
 
-        # Start every replica from rank 0's weights, then (optionally) warm noise.
-        states = [float_state(r.model) for r in self.replicas]
-        broadcast_(states[0], self.collective, 0, cfg.bucket_cap_mb)
-        for s in states[1:]:
-            with torch.no_grad():
-                torch._foreach_copy_(s, states[0])
-        if cfg.warm_init:
-            for r in self.replicas:
-                _warm_noise_(r.model, cfg.warm_init, derive_seed(cfg.seed, 0x7761726D, r.index))
-
         self._bind_knobs()
         if world > 1:
             # Every rank starts from rank 0's bases and permutation stream, whatever seed it was given.
@@ -199,8 +189,9 @@ class Engine:
             cfg.mode == "shared" and (local > 1 or (world > 1 and not self._ddp))
         ) else None
         dev = next((p.device for p in self.replicas[0].model.parameters()), torch.device("cpu"))
-        self._acc = torch.zeros(local, device=dev)
-        self._acc_n = [0] * local
+        self._acc = torch.zeros(local, device=dev)  # per local replica: sum of the interval's finite losses
+        self._bad = torch.zeros(local, device=dev)  # ... and how many of its losses were non-finite
+        self._acc_n = [0] * local  # ... and how many losses were recorded (host-side count)
         self.step_count = 0
         self.history: list[SyncRecord] = []
         self._next_sync = cfg.sync_every
@@ -209,6 +200,18 @@ class Engine:
                                                  empty)))
         self._draw()
         self._write(force=True)
+
+        # Only now that every check has passed are the weights touched: every replica starts
+        # from rank 0's weights, then (optionally) warm noise. A constructor that raises leaves
+        # the model as it was.
+        states = [float_state(r.model) for r in self.replicas]
+        broadcast_(states[0], self.collective, 0, cfg.bucket_cap_mb)
+        for s in states[1:]:
+            with torch.no_grad():
+                torch._foreach_copy_(s, states[0])
+        if cfg.warm_init:
+            for r in self.replicas:
+                _warm_noise_(r.model, cfg.warm_init, derive_seed(cfg.seed, 0x7761726D, r.index))
 
     # --- construction --------------------------------------------------------------
 
@@ -319,9 +322,7 @@ class Engine:
             loss.backward()
             losses.append(loss.detach().reshape(()))
         lt = torch.stack(losses).to(self._acc.dtype)
-        self._acc.add_(lt)
-        for l in range(self.n_local):
-            self._acc_n[l] += 1
+        self._accumulate(lt, range(self.n_local))
         if self._grads is not None:
             self._grads.average_(lt, self.collective)
         for r in self.replicas:
@@ -335,8 +336,21 @@ class Engine:
         For training loops that do their own backward and optimizer step; call
         :meth:`advance` after the optimizer step.
         """
-        self._acc[replica].add_(loss.detach().reshape(()).to(self._acc.dtype))
-        self._acc_n[replica] += 1
+        self._accumulate(loss.detach().reshape(1).to(self._acc.dtype), [replica])
+
+    def _accumulate(self, losses: torch.Tensor, which: Sequence[int]) -> None:
+        """Add ``losses`` (of the local replicas ``which``) to the interval's sums, on device:
+        a non-finite loss adds nothing to the sum and counts as a bad step."""
+        ok = torch.isfinite(losses)
+        if len(which) == self.n_local:
+            self._acc.add_(torch.where(ok, losses, 0.0))
+            self._bad.add_(~ok)
+        else:
+            idx = list(which)
+            self._acc[idx] += torch.where(ok, losses, 0.0)
+            self._bad[idx] += ~ok
+        for l in which:
+            self._acc_n[l] += 1
 
     def advance(self, *, batch: Any = None, loss_fn: LossFn | None = None) -> None:
         """Count one optimizer step; sync if ``T`` steps have passed; write the next values.
@@ -352,9 +366,13 @@ class Engine:
 
     # --- the sync ----------------------------------------------------------------------
 
-    def _gather_scores(self, batch: Any, loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor]:
-        counts = torch.tensor(self._acc_n, dtype=self._acc.dtype, device=self._acc.device)
-        interval = self._acc / counts.clamp_min(1)
+    def _gather_scores(self, batch: Any,
+                       loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[N]`` scores, weight health (finite iff the weights are) and non-finite loss
+        counts of every replica, in one gather."""
+        counts = torch.tensor(self._acc_n, dtype=self._acc.dtype, device=self._acc.device) - self._bad
+        # the mean over the interval's finite losses; nan for a replica that had none
+        interval = torch.where(counts > 0, self._acc / counts.clamp_min(1), math.nan)
         if isinstance(self.signal, IntervalLoss) and 0 in self._acc_n and self._controls_now():
             raise ConfigError(
                 [f"no loss recorded for local replica {self._acc_n.index(0)} since the last sync: use "
@@ -368,9 +386,9 @@ class Engine:
             scores = interval.to(torch.float32)
         if scores.numel() != self.n_local:
             raise ValueError(f"signal returned {scores.numel()} scores for {self.n_local} local replicas")
-        both = self.collective.all_gather(torch.stack([scores, self._health().to(scores)]))  # [W, 2, L]
-        both = both.to("cpu", torch.float64)  # the one host read per sync
-        return both[:, 0, :].reshape(-1), both[:, 1, :].reshape(-1)
+        rows = torch.stack([scores, self._health().to(scores), self._bad.to(scores)])
+        rows = self.collective.all_gather(rows).to("cpu", torch.float64)  # [W, 3, L]: the host read
+        return rows[:, 0, :].reshape(-1), rows[:, 1, :].reshape(-1), rows[:, 2, :].reshape(-1)
 
     def _converge(self, weights: torch.Tensor, *, average: bool) -> None:
         """Set replicas to the ``weights``-weighted mean of all replicas (``[N]``, >= 0; a
@@ -395,14 +413,24 @@ class Engine:
 
     def _sync(self, batch: Any, loss_fn: LossFn | None) -> None:
         cfg = self.config
-        scores, health = self._gather_scores(batch, loss_fn)
-        finite = torch.isfinite(scores) & torch.isfinite(health)
-        if not finite.any():
+        scores, health, bad_steps = self._gather_scores(batch, loss_fn)
+        sound = torch.isfinite(health)  # finite weights and buffers
+        if not sound.any():
             raise NonFiniteError(
-                f"at step {self.step_count} all {self.n_replicas} replicas are non-finite "
-                f"(scores {scores.tolist()}); nothing is left to reset them from. Lower the "
-                "learning rate or its spread, or check the data for NaN/inf"
+                f"at step {self.step_count} the weights of all {self.n_replicas} replicas are non-finite; "
+                "nothing is left to reset them from. Lower the learning rate or its spread, or check "
+                "the data for NaN/inf"
             )
+        # A replica with more non-finite losses than the best one, or a non-finite score, is
+        # evidence against its values: the search sees it as the worst, the merge leaves it
+        # out. Steps at which every replica's loss was non-finite blame no one (bad data).
+        finite = sound & torch.isfinite(scores) & (bad_steps <= bad_steps.min())
+        if not finite.any():  # weights fine, no comparison possible: merge the sound ones, move nothing
+            log.warning("step %d: no replica has a finite score (scores %s); check the signal's data "
+                        "(the training batches or the probe) for NaN/inf. The replicas are averaged "
+                        "and the search sees no preference", self.step_count, scores.tolist())
+            finite = sound
+            scores = torch.full_like(scores, math.nan)
         bad = (~finite).nonzero().reshape(-1).tolist()
         if bad:
             log.warning("step %d: replica(s) %s non-finite; left out and reset from the mean of the rest",
@@ -426,6 +454,7 @@ class Engine:
                      ", ".join(f"{n}={b:.4g}" for n, b in rec.bases.items()))
 
         self._acc.zero_()
+        self._bad.zero_()
         self._acc_n = [0] * self.n_local
         self._draw()
         self._write(force=True)
@@ -543,6 +572,7 @@ class Engine:
             "search": self.search.state_dict(),
             "slots": self._slots.clone(),
             "acc": self._acc.detach().cpu().clone(),
+            "bad": self._bad.detach().cpu().clone(),
             "acc_n": list(self._acc_n),
             "history": [asdict(r) for r in self.history],
             "replicas": [{"model": r.model.state_dict(), "optimizer": r.optimizer.state_dict()}
@@ -578,6 +608,7 @@ class Engine:
         T = self.config.sync_every
         self._next_sync = int(state.get("next_sync", (self.step_count // T + 1) * T))
         self._acc.copy_(state["acc"].to(self._acc))
+        self._bad.copy_(state["bad"].to(self._bad) if "bad" in state else torch.zeros_like(self._bad))
         self._acc_n = list(state["acc_n"])
         self.history = [SyncRecord(**r) for r in state["history"]]
         self._slots = state["slots"].clone()

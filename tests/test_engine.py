@@ -266,7 +266,9 @@ def test_nan_replica_is_left_out_and_reset(digits):
     engine.step(poisoned, bs[9])  # the sync at step 10
     rec = engine.history[-1]
     assert rec.nonfinite == [2] and math.isnan(rec.scores[2])
-    assert rec.weights[2] == 0.0 and sum(rec.weights) == pytest.approx(1.0)
+    # the controller counts it as the worst replica (evidence against its lr), not as absent
+    assert rec.weights[2] < min(w for i, w in enumerate(rec.weights) if i != 2)
+    assert sum(rec.weights) == pytest.approx(1.0)
     assert math.isfinite(engine.bases["lr"])
     for r in engine.replicas:
         assert torch.isfinite(params(r.model)).all()
@@ -287,13 +289,83 @@ def test_nan_in_shared_mode_does_not_poison_the_others(digits):
         assert torch.isfinite(params(r.model)).all()
 
 
-def test_all_replicas_nan_raises(digits):
-    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=3, sync_every=2)
+def test_a_constructor_that_raises_leaves_the_model_as_it_was():
+    model = mlp()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(hpx.ConfigError, match="group"):
+        hpx.Engine(model, sgd(0.1), [hpx.LearningRate(group=3, spread=0.5)], replicas=2, warm_init=0.1)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # the same settings with a valid knob do add the warm-init noise
+    hpx.Engine(model, sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=2, warm_init=0.1)
+    assert not torch.equal(model.state_dict()["0.weight"], before["0.weight"])
+
+
+def test_all_replicas_nan_weights_raise(digits):
+    # independent mode: every replica steps on its own NaN gradient, so every weight is NaN
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=3, sync_every=2,
+                        mode="independent")
     nan_loss = lambda rep, b: ce(rep, b) * float("nan")  # noqa: E731
     bs = batches(digits, 2)
     engine.step(nan_loss, next(bs))
-    with pytest.raises(hpx.NonFiniteError, match="all 3 replicas"):
+    with pytest.raises(hpx.NonFiniteError, match="weights of all 3 replicas"):
         engine.step(nan_loss, next(bs))
+
+
+def test_one_step_with_every_loss_nan_is_survived(digits, caplog):
+    """A NaN batch for every replica (shared mode: the weights stay finite) must not poison
+    the interval's scores for the rest of the run, nor stop the search."""
+    bad_step = 3
+
+    def run(poison: bool):
+        engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=5)
+
+        def loss_fn(rep, b):
+            loss = ce(rep, b)
+            return loss * float("nan") if poison and engine.step_count + 1 == bad_step else loss
+
+        for b in batches(digits, 20):
+            engine.step(loss_fn, b)
+        return engine
+
+    clean, hit = run(False), run(True)
+    assert [r.step for r in hit.history] == [5, 10, 15, 20]
+    assert all(r.nonfinite == [] for r in hit.history)  # the bad step blames no replica
+    assert all(math.isfinite(s) for r in hit.history for s in r.scores)
+    assert hit.history[-1].bases["lr"] != hit.history[0].bases["lr"]  # the search kept moving
+    for r in hit.replicas:
+        assert torch.isfinite(params(r.model)).all()
+    # the bad step changed the trajectory (its update was skipped), nothing else
+    assert clean.history[0].scores != hit.history[0].scores
+
+
+def test_every_loss_nan_for_a_whole_interval_averages_and_moves_nothing(digits, caplog):
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=3)
+    nan_loss = lambda rep, b: ce(rep, b) * float("nan")  # noqa: E731
+    base = engine.bases["lr"]
+    with caplog.at_level("WARNING", logger="hpx"):
+        for b in batches(digits, 3):
+            engine.step(nan_loss, b)
+    assert "no replica has a finite score" in caplog.text
+    assert engine.bases["lr"] == base and all(math.isnan(s) for s in engine.history[-1].scores)
+    for b in batches(digits, 3, seed=1):  # and the run goes on
+        engine.step(ce, b)
+    assert engine.bases["lr"] != base
+
+
+def test_a_value_that_makes_nan_pushes_the_base_away(digits):
+    """Item: a replica that goes non-finite is the worst, so a value that breaks training
+    does not keep pulling the base toward it."""
+    engine = hpx.Engine(mlp(), sgd(0.05), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=4)
+
+    def loss_fn(rep, b):
+        loss = ce(rep, b)
+        return loss * float("nan") if rep.value("lr") > 0.06 else loss
+
+    for b in batches(digits, 160):
+        engine.step(loss_fn, b)
+    assert engine.bases["lr"] < 0.06  # left out instead, the NaN replicas let it end above (0.063)
+    assert sum(bool(r.nonfinite) for r in engine.history) < len(engine.history) / 2  # then: 29 of 40
 
 
 # --- determinism and checkpoints --------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hpx
-from hpx.search import HDET, Bracket, Decision, SyncView
+from hpx.search import HDET, Bracket, Decision, SyncView, worst_filled
 from tests._digits import ce, data, mlp
 
 # --- views --------------------------------------------------------------------------------
@@ -82,17 +82,33 @@ def test_moves_toward_the_better_side(name, better):
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
-def test_nonfinite_replicas_take_no_part(name):
+def test_a_nonfinite_replica_counts_as_the_worst(name):
+    # a replica that blew up is evidence against its value: the same decision as if it had
+    # scored worse than every other (by their range), not as if it were absent
     a, b = STRATEGIES[name](), STRATEGIES[name]()
-    a.start(start_view())
-    b.start(start_view())
-    # replica 1 non-finite: its value must not matter, whatever it was
-    da = a.decide(view([4.0, math.nan, 2.0, 1.0]))
-    values = view([0.0] * 4).values.clone()
-    values[0, 1] = 1.7
-    db = b.decide(view([4.0, math.nan, 2.0, 1.0], values=values))
+    for s in (a, b):
+        s.start(start_view())
+    da = a.decide(view([1.0, 2.0, 3.0, math.nan]))
+    db = b.decide(view([1.0, 2.0, 3.0, 5.0]))
     assert da.bases.tolist() == db.bases.tolist()
-    assert math.isfinite(da.bases.item())
+    assert math.isfinite(da.bases.item()) and da.bases.item() < 1.0
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_no_finite_score_moves_nothing(name):
+    s = STRATEGIES[name]()
+    s.start(start_view())
+    d = s.decide(view([math.nan] * 4))
+    assert d.bases is None or d.bases.tolist() == [1.0]
+
+
+def test_worst_filled():
+    t = torch.tensor
+    assert worst_filled(t([1.0, 2.0, 3.0])).tolist() == [1.0, 2.0, 3.0]
+    assert worst_filled(t([1.0, math.nan, 3.0, math.inf])).tolist() == [1.0, 5.0, 3.0, 5.0]
+    assert worst_filled(t([-2.0, math.nan])).tolist() == [-2.0, 0.0]  # equal finite scores: by |worst|
+    assert worst_filled(t([0.0, math.nan])).tolist() == [0.0, 1.0]
+    assert worst_filled(t([math.nan, math.nan])) is None
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

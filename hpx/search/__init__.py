@@ -11,8 +11,8 @@ The engine calls one strategy at every sync through a small interface
   then hold it (what :func:`hpx.autolr` uses).
 """
 
-from hpx.search.base import Decision, Search, SyncView
+from hpx.search.base import Decision, Search, SyncView, worst_filled
 from hpx.search.bracket import Bracket
 from hpx.search.hdet import HDET
 
-__all__ = ["HDET", "Bracket", "Decision", "Search", "SyncView"]
+__all__ = ["HDET", "Bracket", "Decision", "Search", "SyncView", "worst_filled"]

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Decision", "Search", "SyncView"]
+__all__ = ["Decision", "Search", "SyncView", "worst_filled"]
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,9 @@ class SyncView:
         values: ``[K, N]`` knob ``k``'s value on replica ``r`` during the interval
             that ended (before any schedule factor).
         scores: ``[N]`` each replica's score, lower is better; ``nan`` where the
-            replica's score or weights are non-finite.
+            replica's score or weights are non-finite, or it had more non-finite losses in
+            the interval than the best replica (:func:`worst_filled` turns those into the
+            worst scores, as a strategy should count them).
     """
 
     step: int
@@ -87,6 +89,25 @@ class Decision:
     next_sync: int | None = None
     merge: torch.Tensor | None = None
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def worst_filled(scores: torch.Tensor) -> torch.Tensor | None:
+    """``scores`` with every non-finite entry replaced by a score worse than the worst finite
+    one (by the finite scores' range, or by ``max(|worst|, 1)`` when they are all equal).
+
+    A replica that blew up or collapsed is evidence against its values: a strategy must
+    count it as the worst, not leave it out (which would let a value that breaks training
+    keep pulling the base). ``None`` when no score is finite (nothing to compare).
+    """
+    finite = torch.isfinite(scores)
+    if not finite.any():
+        return None
+    if finite.all():
+        return scores
+    ok = scores[finite]
+    hi, lo = float(ok.max()), float(ok.min())
+    gap = hi - lo if hi > lo else max(abs(hi), 1.0)
+    return torch.where(finite, scores, hi + gap)
 
 
 @runtime_checkable

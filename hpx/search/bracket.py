@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from hpx.errors import ConfigError
-from hpx.search.base import Decision, SyncView
+from hpx.search.base import Decision, SyncView, worst_filled
 
 __all__ = ["Bracket"]
 
@@ -238,8 +238,10 @@ class Bracket:
     def _fit(self, view: SyncView, i: int) -> float | None:
         """The minimum over ``[-alpha, alpha]`` of a parabola fitted to score (or its rank)
         against ``z``, as a move of the base."""
-        ok = view.finite
-        v, s = view.values[i, ok], view.scores[ok]
+        s = worst_filled(view.scores)  # a replica that blew up counts as the worst, not as absent
+        if s is None:
+            return None
+        v = view.values[i]
         b = float(view.bases[i])
         z = (v / b).log() if view.spacing[i] == "log" else v - b
         w = float(view.spreads[i])

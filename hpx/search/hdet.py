@@ -15,7 +15,7 @@ import torch
 
 from hpx.controller import Controller
 from hpx.errors import ConfigError
-from hpx.search.base import Decision, SyncView
+from hpx.search.base import Decision, SyncView, worst_filled
 
 __all__ = ["HDET"]
 
@@ -62,7 +62,10 @@ class HDET:
         if self._log is None:
             self._log = self.controller.log_mask(list(view.kinds))
         decay = torch.tensor([self.decay if k == "mul" else 0.0 for k in view.kinds], dtype=torch.float64)
-        out = self.controller.update(view.values, view.scores, view.bases, self._log, decay)
+        scores = worst_filled(view.scores)
+        if scores is None:  # no replica has a finite score: nothing to compare
+            return Decision()
+        out = self.controller.update(view.values, scores, view.bases, self._log, decay)
         return Decision(bases=out.bases, info={
             "weights": out.weights.tolist(), "sigma": out.sigma,
             "direction": dict(zip(view.names, out.direction.tolist())),
