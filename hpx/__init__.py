@@ -9,6 +9,7 @@ toward the better-scoring side.
 
 from hpx import search
 from hpx.backends import Collective, InProcess
+from hpx.checkpoint import load_checkpoint, save_checkpoint
 from hpx.config import EngineConfig
 from hpx.controller import Controller, ControllerStep, softmax_weights
 from hpx.engine import Engine, SyncRecord
@@ -70,8 +71,10 @@ __all__ = [
     "autolr",
     "explore_knobs",
     "format_history",
+    "load_checkpoint",
     "load_history",
     "plot_history",
+    "save_checkpoint",
     "save_history",
     "search",
     "slot_offsets",

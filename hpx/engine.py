@@ -564,6 +564,7 @@ class Engine:
         loss accumulators and history."""
         return {
             "format": 2,
+            "settings": self._settings(),
             "n_replicas": self.n_replicas,
             "first": self._first,
             "step": self.step_count,
@@ -582,20 +583,16 @@ class Engine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` into an engine built with the same settings.
 
+        Everything is checked before anything is changed (format, replica layout, the
+        settings that shape the trajectory, the search strategy, the knobs, every model's
+        parameter names and shapes, every optimizer's groups): a checkpoint that is refused
+        leaves the engine, its models and its optimizers as they were.
+
         A state without ``"replicas"`` restores only hpx's own state (knobs,
         permutations, controller, step, accumulators), leaving the models and
         optimizers as they are: what a scheduler's checkpoint holds.
         """
-        problems = []
-        if state.get("format") not in (1, 2):
-            problems.append(f"unknown checkpoint format {state.get('format')!r} (expected 1 or 2)")
-        if state.get("n_replicas") != self.n_replicas:
-            problems.append(
-                f"checkpoint has {state.get('n_replicas')} replicas, this engine {self.n_replicas}"
-            )
-        if state.get("first") != self._first or len(state.get("replicas", [])) not in (0, self.n_local):
-            problems.append("checkpoint was saved by a different rank layout: load each rank's own file")
-        ConfigError.check(problems)
+        ConfigError.check(self._load_problems(state))
         for r, s in zip(self.replicas, state.get("replicas", ())):  # absent: hpx state only
             r.model.load_state_dict(s["model"])
             r.optimizer.load_state_dict(s["optimizer"])
@@ -617,6 +614,44 @@ class Engine:
         self._local_values = self._values[:, self._first : self._first + self.n_local].tolist()
         self._written = [[None] * self.n_local for _ in self.knobs]
         self._write(force=True)
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings a checkpoint records and a resumed engine must share."""
+        return {"replicas": self.n_replicas, **{k: getattr(self.config, k) for k in _TRAJECTORY},
+                "search": type(self.search).__name__,
+                "knobs": [[k.name, type(k).__name__, k.kind] for k in self.knobs]}
+
+    def _load_problems(self, state: Any) -> list[str]:
+        """Every reason to refuse ``state``, found without changing anything."""
+        if not isinstance(state, dict):
+            return [f"a checkpoint is the dict Engine.state_dict() returns (got {type(state).__name__})"]
+        problems = []
+        if state.get("format") not in (1, 2):
+            problems.append(f"unknown checkpoint format {state.get('format')!r} (expected 1 or 2)")
+            return problems
+        if state.get("n_replicas") != self.n_replicas:
+            problems.append(f"checkpoint has {state.get('n_replicas')} replicas, this engine "
+                            f"{self.n_replicas}: build the engine with replicas={state.get('n_replicas')} "
+                            "(per process) as the saved run had")
+        reps = state.get("replicas", [])
+        if state.get("first") != self._first or len(reps) not in (0, self.n_local):
+            problems.append("checkpoint was saved by a different rank layout: load each rank's own file")
+        saved = state.get("settings")
+        if saved is not None:
+            mine = self._settings()
+            for key in [k for k in saved if k not in ("replicas", "knobs")]:
+                if key in mine and saved[key] != mine[key]:
+                    problems.append(f"checkpoint was saved with {key}={saved[key]!r}, this engine has "
+                                    f"{key}={mine[key]!r}: build it with the saved run's settings")
+        names = [k.get("name") for k in state.get("knobs", {}).get("knobs", [])]
+        if names != self.knobs.names:
+            problems.append(f"checkpoint holds knobs {names} but this run declares {self.knobs.names}")
+        for i, (r, s) in enumerate(zip(self.replicas, reps)):
+            problems += _module_problems(f"replica {self._first + i}'s model", r.model.state_dict(),
+                                         s.get("model", {}))
+            problems += _optimizer_problems(f"replica {self._first + i}'s optimizer",
+                                            r.optimizer.state_dict(), s.get("optimizer", {}))
+        return problems
 
     def __repr__(self) -> str:
         return (f"Engine(replicas={self.n_replicas} ({self.n_local} local), step={self.step_count}, "
@@ -680,6 +715,42 @@ class _GradBuckets:
         for buf, s in zip(self.buffers, sums):
             s.div_(count.to(s).clamp_min(1))
             buf.copy_(s.expand_as(buf))
+
+
+# EngineConfig fields that change what a run computes: a resumed engine must share them
+_TRAJECTORY = ("sync_every", "mode", "average", "average_optimizer_state", "controller", "warmup",
+               "meta_lr", "momentum", "debias_momentum", "temperature", "temperature_scale", "space",
+               "decay")
+
+
+def _module_problems(what: str, current: dict[str, Any], saved: Any, show: int = 4) -> list[str]:
+    """Why ``saved`` cannot load into a module whose state dict is ``current``."""
+    if not isinstance(saved, dict):
+        return [f"{what}: the checkpoint holds {type(saved).__name__}, not a state dict"]
+    missing = [k for k in current if k not in saved]
+    extra = [k for k in saved if k not in current]
+    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}" for k, v in current.items()
+              if k in saved and torch.is_tensor(v) and torch.is_tensor(saved[k])
+              and saved[k].shape != v.shape]
+    out = []
+    for label, items in (("missing from the checkpoint", missing), ("not in this model", extra),
+                         ("with another shape (saved vs this model)", shapes)):
+        if items:
+            more = f" and {len(items) - show} more" if len(items) > show else ""
+            out.append(f"{what}: {len(items)} entr{'y' if len(items) == 1 else 'ies'} {label}: "
+                       f"{', '.join(items[:show])}{more}; was it saved from another architecture?")
+    return out
+
+
+def _optimizer_problems(what: str, current: dict[str, Any], saved: Any) -> list[str]:
+    if not isinstance(saved, dict) or "param_groups" not in saved:
+        return [f"{what}: the checkpoint holds no optimizer state dict"]
+    mine = [len(g["params"]) for g in current["param_groups"]]
+    theirs = [len(g["params"]) for g in saved["param_groups"]]
+    if mine != theirs:
+        return [f"{what}: parameters per group {theirs} in the checkpoint, {mine} here: build the "
+                "optimizer with the saved run's parameter groups"]
+    return []
 
 
 def _split(batch: Any, n: int) -> list[Any]:

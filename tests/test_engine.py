@@ -406,6 +406,71 @@ def test_same_seed_same_trajectory_and_resume_is_exact(digits):
     assert [r.values for r in other.history] != [r.values for r in full.history]
 
 
+def _snapshot(engine) -> tuple:
+    return (copy.deepcopy([(r.model.state_dict(), r.optimizer.state_dict()) for r in engine.replicas]),
+            engine.step_count, dict(engine.bases), copy.deepcopy(engine.search.state_dict()),
+            len(engine.history), engine.next_sync)
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    (sa, *ra), (sb, *rb) = a, b
+    for (ma, oa), (mb, ob) in zip(sa, sb):
+        if any(not torch.equal(ma[k], mb[k]) for k in ma):
+            return False
+        if oa["param_groups"] != ob["param_groups"]:
+            return False
+    return ra == rb
+
+
+@pytest.mark.parametrize("change, needle", [
+    ("sync_every", "sync_every=3"),
+    ("mode", "mode='independent'"),
+    ("knob", "knobs ['lr'] but this run declares ['lr', 'wd']"),
+    ("arch", "another architecture"),
+    ("optimizer", "parameters per group"),
+    ("replicas", "checkpoint has 3 replicas"),
+])
+def test_a_refused_checkpoint_changes_nothing(digits, change, needle):
+    src = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=3, sync_every=3)
+    for b in batches(digits, 4):
+        src.step(ce, b)
+    state = copy.deepcopy(src.state_dict())
+    model, opt = mlp(seed=1), sgd(0.1)
+    knobs = [hpx.LearningRate(spread=0.5)]
+    settings = dict(replicas=3, sync_every=3)
+    if change == "sync_every":
+        settings["sync_every"] = 4
+    elif change == "mode":  # a checkpoint from an independent-mode run
+        state["settings"]["mode"] = "independent"
+    elif change == "knob":
+        knobs.append(hpx.WeightDecay("wd", base=1e-4))
+    elif change == "arch":
+        model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+    elif change == "optimizer":
+        opt = lambda m: torch.optim.SGD([{"params": list(m.parameters())[:2]},  # noqa: E731
+                                         {"params": list(m.parameters())[2:]}], lr=0.1)
+    elif change == "replicas":
+        settings["replicas"] = 2
+    dst = hpx.Engine(model, opt, knobs, **settings)
+    for b in batches(digits, 2, seed=3):
+        dst.step(ce, b)
+    before = _snapshot(dst)
+    with pytest.raises(hpx.ConfigError) as err:
+        dst.load_state_dict(state)
+    assert needle in str(err.value)
+    assert _same(before, _snapshot(dst))
+    if change == "sync_every":  # the message names the saved value and this engine's
+        assert "sync_every=4" in str(err.value)
+
+
+def test_a_checkpoint_records_its_settings(digits):
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=7,
+                        mode="independent")
+    rec = engine.state_dict()["settings"]
+    assert rec["sync_every"] == 7 and rec["mode"] == "independent" and rec["replicas"] == 2
+    assert rec["search"] == "HDET" and rec["knobs"] == [["lr", "LearningRate", "mul"]]
+
+
 def test_global_rng_untouched(digits):
     model = mlp()  # building nn.Linear draws from the global RNG: that is torch's, not hpx's
     torch.manual_seed(123)

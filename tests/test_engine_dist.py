@@ -16,6 +16,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -142,6 +143,50 @@ def _train_autolr(backend: hpx.Collective, *, ddp: bool = True) -> dict:
         engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
     return {"history": [asdict(r) for r in engine.history],
             "states": [_state(r.model) for r in engine.replicas]}
+
+
+def _checkpoint_resume(backend: hpx.Collective, ddp: bool = False) -> dict:
+    """Save every 10 steps, "die" at step 25 with rank 1's step-20 files lost (killed while
+    saving), resume every rank with hpx.load_checkpoint and finish: compare with a run that
+    never stopped."""
+    import shutil
+    import tempfile
+
+    world, rank = backend.world_size, backend.rank
+    root = backend.broadcast_object(tempfile.mkdtemp(prefix="hpx-ckpt-") if rank == 0 else None, 0)
+
+    def build() -> hpx.Engine:
+        torch.manual_seed(0)
+        return hpx.Engine(_ddp(_Net()) if ddp else _Net(), _optimizer, _knobs(0.3), backend=backend,
+                          replicas=1, sync_every=T, seed=0)
+
+    def train(engine: hpx.Engine, until: int, save: bool) -> None:
+        for x, y in _batches(STEPS)[engine.step_count:until]:
+            x, y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+            engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+            if save and engine.step_count % 10 == 0:
+                hpx.save_checkpoint(root, engine)
+
+    full = build()
+    train(full, STEPS, save=False)
+    first = build()
+    train(first, 25, save=True)
+    dist.barrier()
+    if rank == 1:
+        (Path(root) / "step-000000020" / "rank-00001.pt.sha256").unlink()
+    dist.barrier()
+    resumed = build()
+    step = hpx.load_checkpoint(root, resumed)
+    train(resumed, STEPS, save=False)
+    same = all(torch.equal(a, b) for a, b in zip(_state(full.model).values(), _state(resumed.model).values()))
+    diff = max(float((a - b).abs().max()) for a, b in zip(_state(full.model).values(),
+                                                          _state(resumed.model).values()))
+    out = {"step": step, "same": same, "diff": diff,
+           "history_same": [asdict(r) for r in full.history] == [asdict(r) for r in resumed.history]}
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
 def _plain_ddp(steps: int) -> dict[str, torch.Tensor]:
@@ -297,6 +342,8 @@ def _world4(rank: int, world_size: int) -> dict:
     out["alpha0"] = _train(backend, ddp=True, spread=0.0)
     out["plain_ddp"] = _plain_ddp(STEPS)
     out["autolr"] = _train_autolr(backend)
+    out["checkpoint"] = _checkpoint_resume(backend)
+    out["checkpoint_ddp"] = _checkpoint_resume(backend, ddp=True)
     out["sync_calls"] = _sync_calls(backend)
     out["inconsistent"] = _inconsistent(backend)
     out["seeds"] = _seeds(backend)
@@ -514,6 +561,19 @@ def test_without_a_process_group_the_error_says_how_to_launch():
     assert not dist.is_initialized()
     with pytest.raises(BackendError, match=r"torchrun --nproc_per_node=4 .*init_process_group"):
         hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=hpx.backends.TorchDistributed())
+
+
+def test_checkpoint_resume_agrees_on_the_newest_common_step(ranks):
+    """4 gloo ranks; rank 1 lost its newest checkpoint (killed while saving): every rank
+    resumes from the step all of them have, and the run ends bit for bit as one that never
+    stopped."""
+    assert [r["checkpoint"]["step"] for r in ranks] == [10] * WORLD
+    assert all(r["checkpoint"]["same"] and r["checkpoint"]["history_same"] for r in ranks)
+    # Over DDP the first step after the resume runs with DDP's initial bucket layout (it
+    # rebuilds its buckets after its own first step), so with more than 2 ranks its gradient
+    # sums may differ from the uninterrupted run's in the last bit: equal to float tolerance.
+    assert [r["checkpoint_ddp"]["step"] for r in ranks] == [10] * WORLD
+    assert all(r["checkpoint_ddp"]["diff"] < 1e-5 for r in ranks)
 
 
 def test_autolr_over_ddp_matches_in_process(ranks, local):

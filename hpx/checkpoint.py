@@ -1,0 +1,277 @@
+"""Save a run and resume it: atomic per-rank files, the newest step every rank has, RNG streams.
+
+A run's checkpoint lives in one directory, one sub-directory per saved step::
+
+    run/ckpt/step-000001200/rank-00000.pt          # torch.save of this rank's state
+    run/ckpt/step-000001200/rank-00000.pt.sha256   # its digest: written last, marks it complete
+
+Each rank writes only its own files, each to a temporary name first, flushed to disk and
+then renamed (``os.replace``), so a rank killed during a save leaves the previous
+checkpoints intact and never a half-written file under a final name. The payload is a
+plain ``torch.save`` file (``torch.load`` reads it); the digest beside it is what makes
+it count as complete, and what catches a file damaged later.
+
+:func:`load_checkpoint` picks the newest step that *every* rank has complete and intact
+(a rank killed during a save may lack the newest one), checks that the engine can take
+it before changing anything, and restores the engine, your extra objects (LR schedulers,
+a ``GradScaler``, ...) and the random streams the trajectory depends on (torch's global
+generator, which draws dropout masks, CUDA's, Python's ``random`` and NumPy's), so that
+the resumed run continues as the uninterrupted one would have, bit for bit on CPU.
+
+Under ``torchrun --max-restarts``, restarted gloo workers re-initialise reliably only with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the environment (torch 2.13; pytorch#135712).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import re
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpx.engine import Engine
+from hpx.errors import ConfigError
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+log = logging.getLogger("hpx")
+
+_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+_FORMAT = 1
+_CANDIDATES = 32  # newest complete steps each rank offers when the ranks agree on one
+
+
+def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
+                    extra: Mapping[str, Any] | None = None, keep: int = 2) -> Path:
+    """Save this rank's part of the run at ``engine.step_count``; return the file written.
+
+    Args:
+        directory: the run's checkpoint directory (created if needed; shared by the ranks
+            or not, each rank writes only its own files).
+        engine: the :class:`~hpx.Engine` (its replicas' models and optimizers, knobs,
+            search state, step, history).
+        extra: more objects with ``state_dict()`` / ``load_state_dict()`` to save with it,
+            by name: an LR scheduler, a ``GradScaler``, your data sampler.
+        keep: complete checkpoints of this rank to keep (older ones are deleted once
+            this one is complete). At least 2 under torch.distributed, so that the
+            ranks still share a step when one was killed while saving the newest.
+
+    Every rank must call it at the same step. Saves are atomic per file: a process
+    killed during a save leaves the previous checkpoints as they were.
+    """
+    problems = []
+    if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
+        problems.append(f"keep must be an integer >= 1 (got {keep!r}): complete checkpoints to keep")
+    problems += _extra_problems(extra)
+    ConfigError.check(problems)
+    rank = engine.collective.rank
+    state = {
+        "format": _FORMAT,
+        "step": engine.step_count,
+        "rank": rank,
+        "world_size": engine.collective.world_size,
+        "engine": engine.state_dict(),
+        "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()},
+        "rng": _rng_state(),
+    }
+    folder = Path(directory) / f"step-{engine.step_count:09d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"rank-{rank:05d}.pt"
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        digest = _digest(tmp)
+        os.replace(tmp, path)
+        _write_atomic(_sidecar(path), digest + "\n")
+        _fsync_dir(folder)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _prune(Path(directory), rank, keep)
+    return path
+
+
+def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
+                    extra: Mapping[str, Any] | None = None, rng: bool = True) -> int | None:
+    """Resume from the newest step that every rank saved completely; return it, or ``None``
+    when there is none (a fresh start: nothing is changed).
+
+    Args:
+        directory: what :func:`save_checkpoint` wrote to.
+        engine: an engine built with the saved run's settings (checked first).
+        extra: the objects given to :func:`save_checkpoint`, by the same names.
+        rng: also restore the random streams saved with it (torch's global generator,
+            CUDA's, ``random``'s and NumPy's), which exact resume needs when the
+            training draws from them (dropout masks, data shuffling).
+
+    A file whose digest does not match (damaged after it was written) is skipped with a
+    warning, as is a step that some rank lacks; the newest step left is loaded. When the
+    engine or an extra object cannot take the checkpoint, :class:`~hpx.ConfigError` is
+    raised and nothing is changed. Under torch.distributed every rank must call it.
+    """
+    ConfigError.check(_extra_problems(extra))
+    root = Path(directory)
+    rank = engine.collective.rank
+    excluded: set[int] = set()
+    while True:
+        step = _agree(engine, [s for s in _complete_steps(root, rank) if s not in excluded])
+        if step is None:
+            return None
+        path = root / f"step-{step:09d}" / f"rank-{rank:05d}.pt"
+        intact = _digest(path) == _sidecar(path).read_text().strip()
+        if not intact:
+            log.warning("checkpoint %s does not match its digest (damaged after it was written): "
+                        "skipping step %d", path, step)
+        oks = engine.collective.all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
+        if bool((oks > 0).all()):
+            break
+        excluded.add(step)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    problems = []
+    if state.get("format") != _FORMAT:
+        problems.append(f"{path}: unknown checkpoint file format {state.get('format')!r}")
+    if state.get("world_size") != engine.collective.world_size:
+        problems.append(f"{path} was saved by a run of {state.get('world_size')} processes, this one has "
+                        f"{engine.collective.world_size}: resume with the saved run's process count")
+    problems += [f"{path}: {p}" for p in engine._load_problems(state.get("engine"))]
+    missing = [name for name in (extra or {}) if name not in state.get("extra", {})]
+    if missing:
+        problems.append(f"{path} holds no state for {missing} (it holds {sorted(state.get('extra', {}))}): "
+                        "give load_checkpoint the extra objects that were saved")
+    ConfigError.check(problems)
+    engine.load_state_dict(state["engine"])
+    for name, obj in (extra or {}).items():
+        obj.load_state_dict(state["extra"][name])
+    if rng:
+        _set_rng_state(state["rng"])
+    return step
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _extra_problems(extra: Any) -> list[str]:
+    if extra is None:
+        return []
+    if not isinstance(extra, Mapping):
+        return [f"extra must be a mapping name -> object with state_dict/load_state_dict "
+                f"(got {type(extra).__name__})"]
+    return [f"extra[{name!r}] ({type(obj).__name__}) has no state_dict/load_state_dict to save it with"
+            for name, obj in extra.items() if not _stateful(obj)]
+
+
+def _stateful(obj: object) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames in ``folder`` durable (where the platform allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _complete_steps(root: Path, rank: int) -> list[int]:
+    """Steps (newest first) for which this rank's payload and digest both exist."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and _sidecar(d / f"rank-{rank:05d}.pt").is_file() and (d / f"rank-{rank:05d}.pt").is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def _agree(engine: Engine, steps: list[int]) -> int | None:
+    """The newest step in every rank's ``steps`` (each rank offers its newest few)."""
+    offer = torch.full((_CANDIDATES,), -1.0, dtype=torch.float64)
+    mine = steps[:_CANDIDATES]
+    offer[: len(mine)] = torch.tensor(mine, dtype=torch.float64)
+    rows = engine.collective.all_gather(offer.to(_device(engine))).to("cpu").reshape(-1, _CANDIDATES)
+    common = set(mine)
+    for row in rows.tolist():
+        common &= {int(s) for s in row if s >= 0}
+    newest_anywhere = int(rows.max())
+    if common and max(common) < newest_anywhere:
+        log.warning("step %d is not complete on every rank (a save was interrupted): resuming from "
+                    "step %d, the newest that all ranks have", newest_anywhere, max(common))
+    return max(common) if common else None
+
+
+def _device(engine: Engine) -> torch.device:
+    """Where the engine's collectives run (NCCL gathers CUDA tensors only)."""
+    return engine._acc.device
+
+
+def _prune(root: Path, rank: int, keep: int) -> None:
+    for step in _complete_steps(root, rank)[keep:]:
+        folder = root / f"step-{step:09d}"
+        for f in (folder / f"rank-{rank:05d}.pt.sha256", folder / f"rank-{rank:05d}.pt"):
+            f.unlink(missing_ok=True)  # the digest first: a half-pruned step no longer counts
+        try:
+            folder.rmdir()  # the last rank to prune removes the folder
+        except OSError:
+            pass
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.random.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.random.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        np.random.set_state(state["numpy"])

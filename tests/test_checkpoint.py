@@ -1,0 +1,157 @@
+"""hpx.save_checkpoint / hpx.load_checkpoint in one process: exact resume, atomicity,
+damaged files, refusal without change. The distributed cases are in test_engine_dist.py."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import hpx
+import hpx.checkpoint as ckpt
+from tests._digits import ce, data
+
+STEPS, T = 23, 4
+BATCHES: list = []
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 10))
+
+
+class Counter:
+    """A stand-in for an LR scheduler: something with state the run depends on."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self) -> dict:
+        return {"n": self.n}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.n = s["n"]
+
+
+def _engine() -> hpx.Engine:
+    return hpx.Engine(_model(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                      [hpx.LearningRate(spread=0.5)], replicas=3, sync_every=T)
+
+
+@pytest.fixture(autouse=True)
+def _data(digits):
+    global BATCHES
+    BATCHES = data(digits, STEPS, size=48)
+
+
+def _train(engine, counter, until: int, *, save_to=None, save_every: int = 5, keep: int = 2):
+    while engine.step_count < until:
+        engine.step(ce, BATCHES[engine.step_count])  # dropout draws from torch's global RNG
+        counter.n += 1
+        random.random()  # and the user's code from Python's
+        if save_to is not None and engine.step_count % save_every == 0:
+            hpx.save_checkpoint(save_to, engine, extra={"sched": counter}, keep=keep)
+
+
+def _params(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for r in engine.replicas for p in r.model.parameters()]
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    torch.manual_seed(1)
+    random.seed(1)
+    full, c_full = _engine(), Counter()
+    _train(full, c_full, STEPS)
+    end_rng = torch.random.get_rng_state()
+
+    torch.manual_seed(1)
+    random.seed(1)
+    first, c_first = _engine(), Counter()
+    _train(first, c_first, 17, save_to=tmp_path)  # saves at 5, 10, 15; the run "dies" at 17
+    torch.manual_seed(999)  # the restarted process's RNG is elsewhere
+    random.seed(999)
+    resumed, c_res = _engine(), Counter()
+    assert hpx.load_checkpoint(tmp_path, resumed, extra={"sched": c_res}) == 15
+    assert resumed.step_count == 15 and c_res.n == 15
+    _train(resumed, c_res, STEPS)
+    assert all(torch.equal(a, b) for a, b in zip(_params(full), _params(resumed)))
+    assert [r.bases for r in resumed.history] == [r.bases for r in full.history]
+    assert torch.equal(torch.random.get_rng_state(), end_rng)
+    # keep=2: only the two newest steps remain
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000010", "step-000000015"]
+
+
+def test_nothing_saved_returns_none_and_changes_nothing(tmp_path):
+    engine = _engine()
+    before = _params(engine)
+    state = torch.random.get_rng_state()
+    assert hpx.load_checkpoint(tmp_path / "absent", engine) is None
+    assert hpx.load_checkpoint(tmp_path, engine) is None
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(engine)))
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    engine, counter = _engine(), Counter()
+    _train(engine, counter, 10, save_to=tmp_path)
+    real_save = torch.save
+
+    def dies_halfway(obj, f, *a, **k):
+        f.write(b"\x80\x02partial")  # a few bytes reach the disk, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.torch, "save", dies_halfway)
+    _train(engine, counter, 14)
+    with pytest.raises(KeyboardInterrupt):
+        hpx.save_checkpoint(tmp_path, engine)
+    monkeypatch.setattr(ckpt.torch, "save", real_save)
+    folder = tmp_path / "step-000000014"
+    assert not any(p.name.startswith("rank-") for p in folder.iterdir())  # no file under a final name
+    # a kill that left a payload but no digest (killed between the two renames) does not count either
+    (folder / "rank-00000.pt").write_bytes(b"not a checkpoint")
+    fresh = _engine()
+    assert hpx.load_checkpoint(tmp_path, fresh) == 10
+
+
+def test_a_damaged_file_is_skipped_for_the_previous_one(tmp_path, caplog):
+    engine, counter = _engine(), Counter()
+    _train(engine, counter, 10, save_to=tmp_path)
+    newest = tmp_path / "step-000000010" / "rank-00000.pt"
+    raw = bytearray(newest.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte, somewhere inside a weight
+    newest.write_bytes(bytes(raw))
+    fresh = _engine()
+    with caplog.at_level(logging.WARNING, logger="hpx"):
+        assert hpx.load_checkpoint(tmp_path, fresh) == 5
+    assert "does not match its digest" in caplog.text
+
+
+def test_an_engine_that_cannot_take_it_is_refused_unchanged(tmp_path):
+    engine, counter = _engine(), Counter()
+    _train(engine, counter, 5, save_to=tmp_path)
+    other = hpx.Engine(_model(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                       [hpx.LearningRate(spread=0.5)], replicas=3, sync_every=T + 1)
+    before, rng = _params(other), torch.random.get_rng_state()
+    with pytest.raises(hpx.ConfigError, match="sync_every=4"):
+        hpx.load_checkpoint(tmp_path, other)
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(other)))
+    assert other.step_count == 0 and torch.equal(torch.random.get_rng_state(), rng)
+    hpx.save_checkpoint(tmp_path / "no-extra", engine)
+    with pytest.raises(hpx.ConfigError, match=r"holds no state for \['sched'\]"):
+        hpx.load_checkpoint(tmp_path / "no-extra", _engine(), extra={"sched": Counter()})
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda d, e: hpx.save_checkpoint(d, e, keep=0), "keep must be an integer >= 1 (got 0)"),
+    (lambda d, e: hpx.save_checkpoint(d, e, extra={"s": object()}), "extra['s'] (object) has no state_dict"),
+    (lambda d, e: hpx.load_checkpoint(d, e, extra=[1]), "extra must be a mapping"),
+])
+def test_bad_arguments_name_the_value(tmp_path, call, needle):
+    engine = _engine()
+    with pytest.raises(hpx.ConfigError) as err:
+        call(tmp_path, engine)
+    assert needle in str(err.value)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing written
