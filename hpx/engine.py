@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Union
@@ -32,7 +33,7 @@ from hpx.backends.base import Collective
 from hpx.backends.local import InProcess
 from hpx.config import EngineConfig
 from hpx.controller import Controller
-from hpx.errors import ConfigError, NonFiniteError
+from hpx.errors import ConfigError, ConsistencyError, NonFiniteError
 from hpx.knobs.base import Knob
 from hpx.registry import Knobs
 from hpx.replica import Replica
@@ -182,7 +183,9 @@ class Engine:
         self.replicas = self._build_replicas(model, optimizer, local)
 
         self._bind_knobs()
+        self.step_count = 0
         if world > 1:
+            self._check_agreement(settle=False)
             # Every rank starts from rank 0's bases and permutation stream, whatever seed it was given.
             self.knobs.load_state_dict(self.collective.broadcast_object(self.knobs.state_dict(), 0))
         self._grads = _GradBuckets(self.replicas) if (
@@ -192,8 +195,8 @@ class Engine:
         self._acc = torch.zeros(local, device=dev)  # per local replica: sum of the interval's finite losses
         self._bad = torch.zeros(local, device=dev)  # ... and how many of its losses were non-finite
         self._acc_n = [0] * local  # ... and how many losses were recorded (host-side count)
-        self.step_count = 0
         self.history: list[SyncRecord] = []
+        self._agreement_due = False  # after a load: check that the ranks resumed alike
         self._next_sync = cfg.sync_every
         empty = torch.empty(0, dtype=torch.float64)
         self._apply(self.search.start(self._view(torch.empty(0, self.n_replicas, dtype=torch.float64),
@@ -358,6 +361,8 @@ class Engine:
         Call it after every optimizer step when not using :meth:`step`. ``batch``
         and ``loss_fn`` are handed to signals that score replicas on a batch.
         """
+        if self._agreement_due:
+            self._check_agreement(settle=True)
         self.step_count += 1
         if self.step_count >= self._next_sync:
             self._sync(batch, loss_fn)
@@ -614,6 +619,53 @@ class Engine:
         self._local_values = self._values[:, self._first : self._first + self.n_local].tolist()
         self._written = [[None] * self.n_local for _ in self.knobs]
         self._write(force=True)
+        self._agreement_due = self.collective.world_size > 1
+
+    def _check_agreement(self, *, settle: bool) -> None:
+        """Raise :class:`ConsistencyError` on every rank if the ranks were built or resumed
+        differently (settings, knobs, search, signal, model, or, once ``settle``, the step and
+        next sync). One gather, at construction and at the first step after a load: ranks that
+        disagree would otherwise pair their collectives across different steps and hang."""
+        self._agreement_due = False
+        names, values, exact = [], [], []
+        base = self.replicas[0].model
+        base = base.module if isinstance(base, torch.nn.parallel.DistributedDataParallel) else base
+        items: list[tuple[str, Any]] = [("replicas per process", self.n_local)]
+        if settle:
+            items += [("step", self.step_count), ("next sync step", self._next_sync)]
+        items += [(k, getattr(self.config, k)) for k in _TRAJECTORY]
+        items += [("knobs", [(k.name, type(k).__name__, k.kind) for k in self.knobs]),
+                  ("search", repr(self.search)),
+                  ("signal", type(self.signal).__name__),
+                  ("model parameters",
+                   [(n, tuple(p.shape), str(p.dtype)) for n, p in base.named_parameters()])]
+        for name, v in items:
+            direct = isinstance(v, int) and not isinstance(v, bool)
+            names.append(name)
+            exact.append(direct)
+            values.append(v if direct else zlib.crc32(repr(v).encode()))
+        dev = self._acc.device if hasattr(self, "_acc") else next(
+            (p.device for p in base.parameters()), torch.device("cpu"))
+        rows = self.collective.all_gather(torch.tensor(values, dtype=torch.int64, device=dev)).cpu()
+        problems = []
+        for j, name in enumerate(names):
+            col = rows[:, j].tolist()
+            odd = [r for r, v in enumerate(col) if v != col[0]]
+            if not odd:
+                continue
+            if exact[j]:
+                have = ", ".join(f"rank {r} has {col[r]}" for r in [0, *odd])
+                problems.append(f"{name}: {have}")
+            else:
+                problems.append(f"{name}: rank(s) {odd} differ from rank 0 (this rank's: "
+                                f"{_short(dict(items)[name])})")
+        if problems:
+            when = "resuming" if settle else "building the engine"
+            raise ConsistencyError(
+                f"the ranks disagree when {when}, so their collectives would pair up across different "
+                f"steps: {'; '.join(problems)}. Build every rank with the same settings, knobs and "
+                "model, and load every rank from the same checkpoint step (hpx.load_checkpoint agrees "
+                "on one)")
 
     def _settings(self) -> dict[str, Any]:
         """The settings a checkpoint records and a resumed engine must share."""
@@ -721,6 +773,11 @@ class _GradBuckets:
 _TRAJECTORY = ("sync_every", "mode", "average", "average_optimizer_state", "controller", "warmup",
                "meta_lr", "momentum", "debias_momentum", "temperature", "temperature_scale", "space",
                "decay")
+
+
+def _short(v: Any, n: int = 120) -> str:
+    text = repr(v)
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _module_problems(what: str, current: dict[str, Any], saved: Any, show: int = 4) -> list[str]:

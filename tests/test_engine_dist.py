@@ -268,6 +268,43 @@ def _inconsistent(backend: TorchDistributed) -> str | None:
     return None
 
 
+def _disagreements(backend: TorchDistributed) -> dict:
+    """Ranks built or resumed differently: every rank raises a ConsistencyError that names
+    the disagreement, at once (no hang, no collective paired across steps)."""
+    rank, out = backend.rank, {}
+
+    def build(**kw: Any) -> hpx.Engine:
+        torch.manual_seed(0)
+        knobs = kw.pop("knobs", _knobs(0.3))
+        return hpx.Engine(_Net(), _optimizer, knobs, backend=backend, replicas=1, seed=0,
+                          **{"sync_every": 2, **kw})
+
+    for case, kw in (("sync_every", {"sync_every": 3} if rank == 1 else {}),
+                     ("knobs", {"knobs": _knobs(0.3)[:2]} if rank == 2 else {}),
+                     ("mode", {"mode": "independent"} if rank == 3 else {})):
+        try:
+            build(**kw)
+            out[case] = None
+        except ConsistencyError as exc:
+            out[case] = str(exc)
+    x, y = _batches(1)[0]
+    step = lambda e: e.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))  # noqa: E731
+    src = build()
+    for _ in range(3):
+        step(src)
+        if src.step_count == 1:
+            early = src.state_dict()
+    late = src.state_dict()
+    resumed = build()
+    resumed.load_state_dict(early if rank == 1 else late)  # rank 1 picked another file
+    try:
+        step(resumed)
+        out["step"] = None
+    except ConsistencyError as exc:
+        out["step"] = str(exc)
+    return out
+
+
 def _seeds(backend: TorchDistributed) -> dict:
     """Ranks given different seeds still draw rank 0's permutations."""
     engine = hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=backend, replicas=1,
@@ -346,6 +383,7 @@ def _world4(rank: int, world_size: int) -> dict:
     out["checkpoint_ddp"] = _checkpoint_resume(backend, ddp=True)
     out["sync_calls"] = _sync_calls(backend)
     out["inconsistent"] = _inconsistent(backend)
+    out["disagree"] = _disagreements(backend)
     out["seeds"] = _seeds(backend)
     model = DDP(_Net())
     hpx.Engine(model, _optimizer, _knobs(0.3), backend=backend, replicas=1)
@@ -561,6 +599,15 @@ def test_without_a_process_group_the_error_says_how_to_launch():
     assert not dist.is_initialized()
     with pytest.raises(BackendError, match=r"torchrun --nproc_per_node=4 .*init_process_group"):
         hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=hpx.backends.TorchDistributed())
+
+
+def test_ranks_built_or_resumed_differently_fail_at_once_naming_why(ranks):
+    for r in ranks:
+        d = r["disagree"]
+        assert "sync_every: rank 0 has 2, rank 1 has 3" in d["sync_every"]
+        assert "knobs: rank(s) [2] differ from rank 0" in d["knobs"]
+        assert "mode: rank(s) [3] differ" in d["mode"] and "building the engine" in d["mode"]
+        assert "step: rank 0 has 3, rank 1 has 1" in d["step"] and "resuming" in d["step"]
 
 
 def test_checkpoint_resume_agrees_on_the_newest_common_step(ranks):
