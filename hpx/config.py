@@ -46,6 +46,13 @@ class EngineConfig(BaseModel):
             by default: decay belongs to the schedule.
         warm_init: ``nu`` of warm noisy initialisation (paper 0.01), or ``None``.
         bucket_cap_mb: largest flat bucket when averaging.
+        history_limit: sync records kept in :attr:`Engine.history <hpx.Engine.history>`
+            and in checkpoints (the newest ones; ``None``: all). Give ``history_file``
+            to keep the full record on disk.
+        history_file: a JSON-lines file to which every sync record is appended as it
+            happens (by rank 0 only under torch.distributed); read it back with
+            :func:`hpx.load_history`. Records past a resumed checkpoint's step are
+            dropped from it on load, so it holds one line per sync of the run.
         check_consistency: after every sync, compare the knob bases across ranks
             and raise if they differ (a debug check; costs one all-gather).
     """
@@ -69,6 +76,8 @@ class EngineConfig(BaseModel):
     decay: Annotated[float, Field(ge=0, lt=1)] = 0.0
     warm_init: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     bucket_cap_mb: _Positive = 25.0
+    history_limit: Annotated[int, Field(ge=1)] | None = 1000
+    history_file: str | None = None
     check_consistency: bool = False
 
     @classmethod

@@ -453,7 +453,7 @@ class Engine:
         rec.weights, rec.sigma, rec.direction = info.get("weights"), info.get("sigma"), info.get("direction")
         rec.phase = info.get("phase")
         rec.bases = {k.name: k.base for k in self.knobs}
-        self.history.append(rec)
+        self._keep(rec)
         if log.isEnabledFor(logging.INFO):
             log.info("sync at step %d: %s", self.step_count,
                      ", ".join(f"{n}={b:.4g}" for n, b in rec.bases.items()))
@@ -468,6 +468,20 @@ class Engine:
                                self._slots.reshape(-1).to(torch.float64)])
             self.collective.check_same(
                 state, f"knob bases and permutations after the sync at step {self.step_count}")
+
+    def _keep(self, rec: SyncRecord) -> None:
+        """Append ``rec`` to the history (the newest ``history_limit`` stay in memory) and to
+        the history file."""
+        self.history.append(rec)
+        limit = self.config.history_limit
+        if limit is not None and len(self.history) > limit:
+            del self.history[: len(self.history) - limit]
+        path = self.config.history_file
+        if path is not None and self.collective.rank == 0:
+            from hpx.history import _record_line
+
+            with open(path, "a") as f:
+                f.write(_record_line(rec) + "\n")
 
     def _controls_now(self, ahead: int = 0) -> bool:
         """Whether the search reads the scores at a sync ``ahead`` steps from now (the signal
@@ -613,6 +627,11 @@ class Engine:
         self._bad.copy_(state["bad"].to(self._bad) if "bad" in state else torch.zeros_like(self._bad))
         self._acc_n = list(state["acc_n"])
         self.history = [SyncRecord(**r) for r in state["history"]]
+        path = self.config.history_file
+        if path is not None and self.collective.rank == 0:
+            from hpx.history import _truncate_file
+
+            _truncate_file(path, self.step_count)  # the resumed run redoes what came after
         self._slots = state["slots"].clone()
         rows = [k.values(self._slots[i]) for i, k in enumerate(self.knobs)]
         self._values = torch.stack(rows) if rows else torch.empty(0, self.n_replicas, dtype=torch.float64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -25,13 +26,39 @@ def save_history(history: Sequence[SyncRecord], path: str | Path) -> Path:
 
 
 def load_history(path: str | Path) -> list[SyncRecord]:
-    """Read records written by :func:`save_history`."""
-    data = json.loads(Path(path).read_text())
+    """Read records written by :func:`save_history`, or an engine's ``history_file``
+    (one JSON record per line)."""
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = None
+    rows = data["history"] if isinstance(data, dict) and "history" in data else [
+        json.loads(line) for line in text.splitlines() if line.strip()]
     out = []
-    for row in data["history"]:
+    for row in rows:
         row["scores"] = [math.nan if s is None else s for s in row["scores"]]
         out.append(SyncRecord(**row))
     return out
+
+
+def _record_line(rec: SyncRecord) -> str:
+    """One record as a JSON line (NaN scores as ``null``)."""
+    row = asdict(rec)
+    row["scores"] = [None if math.isnan(s) else s for s in row["scores"]]
+    return json.dumps(row)
+
+
+def _truncate_file(path: str | Path, step: int) -> None:
+    """Drop the records after ``step`` from a history file (atomically)."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
 
 
 def format_history(history: Sequence[SyncRecord], every: int = 1) -> str:

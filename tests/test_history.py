@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import hpx
 from hpx.cli import main
@@ -74,3 +76,65 @@ def test_demo_raises_a_low_lr(tmp_path):
     plain_acc = float(out.split("plain at lr 0.03: test loss ")[1].split("accuracy ")[1].split()[0])
     assert hpx_acc > 0.8 and 0 < plain_acc <= 1
     assert (tmp_path / "trajectories.png").exists() and (tmp_path / "history.json").exists()
+
+
+# --- retention and the history file ----------------------------------------------------------
+
+
+def _hist_engine(**kw) -> hpx.Engine:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.ReLU(), torch.nn.Linear(16, 10))
+    return hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                      [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=2, **kw)
+
+
+def _hist_run(engine, batches, until):
+    import torch.nn.functional as F
+
+    while engine.step_count < until:
+        x, y = batches[engine.step_count]
+        engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+
+
+def test_history_limit_keeps_the_newest_and_the_file_keeps_all(tmp_path, digits, capsys):
+    from tests._digits import data
+
+    batches = data(digits, 12)
+    log = tmp_path / "run" / "history.jsonl"
+    log.parent.mkdir()
+    engine = _hist_engine(history_limit=3, history_file=str(log))
+    _hist_run(engine, batches, 12)
+    assert [r.step for r in engine.history] == [8, 10, 12]
+    assert [r["step"] for r in engine.state_dict()["history"]] == [8, 10, 12]
+    full = hpx.load_history(log)
+    assert [r.step for r in full] == [2, 4, 6, 8, 10, 12]
+    assert full[-3:] == engine.history
+    assert main(["report", str(log)]) == 0  # the report reads the file as it is
+    assert capsys.readouterr().out.strip().splitlines()[-1].split()[0] == "12"
+    unlimited = _hist_engine(history_limit=None)
+    _hist_run(unlimited, batches, 12)
+    assert [r.bases for r in unlimited.history] == [r.bases for r in full]
+
+
+def test_history_file_after_a_resume_holds_one_line_per_sync(tmp_path, digits):
+    from tests._digits import data
+
+    batches = data(digits, 12)
+    straight = tmp_path / "straight.jsonl"
+    _hist_run(_hist_engine(history_file=str(straight)), batches, 12)
+    log = tmp_path / "resumed.jsonl"
+    first = _hist_engine(history_file=str(log))
+    _hist_run(first, batches, 5)
+    saved = copy.deepcopy(first.state_dict())  # at step 5; the run goes on to step 9, then dies
+    _hist_run(first, batches, 9)
+    assert [r.step for r in hpx.load_history(log)] == [2, 4, 6, 8]
+    again = _hist_engine(history_file=str(log))
+    again.load_state_dict(saved)
+    assert [r.step for r in hpx.load_history(log)] == [2, 4]
+    _hist_run(again, batches, 12)
+    assert hpx.load_history(log) == hpx.load_history(straight)
+
+
+def test_history_limit_must_be_positive():
+    with pytest.raises(hpx.ConfigError, match="history_limit"):
+        _hist_engine(history_limit=0)
