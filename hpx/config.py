@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from hpx.errors import ConfigError
 
 __all__ = ["EngineConfig"]
 
 _Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+def _integer(v: Any) -> Any:
+    """Integers only: pydantic would take ``True`` as 1, ``"3"`` as 3 and ``5.0`` as 5."""
+    if v is None:
+        return v
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise ValueError("must be an integer")
+    return int(v)
+
+
+_Int = Annotated[int, BeforeValidator(_integer)]
 
 
 class EngineConfig(BaseModel):
@@ -59,11 +72,11 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    replicas: Annotated[int, Field(ge=1, le=4096)] | None = None
-    sync_every: Annotated[int, Field(ge=1)] = 50
-    warmup: Annotated[int, Field(ge=0)] = 0
+    replicas: Annotated[_Int, Field(ge=1, le=4096)] | None = None
+    sync_every: Annotated[_Int, Field(ge=1)] = 50
+    warmup: Annotated[_Int, Field(ge=0)] = 0
     mode: Literal["shared", "independent"] = "shared"
-    seed: int = 0
+    seed: _Int = 0
     controller: bool = True
     average: bool = True
     average_optimizer_state: bool = False
@@ -76,7 +89,7 @@ class EngineConfig(BaseModel):
     decay: Annotated[float, Field(ge=0, lt=1)] = 0.0
     warm_init: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
     bucket_cap_mb: _Positive = 25.0
-    history_limit: Annotated[int, Field(ge=1)] | None = 1000
+    history_limit: Annotated[_Int, Field(ge=1)] | None = 1000
     history_file: str | None = None
     check_consistency: bool = False
 
@@ -103,7 +116,7 @@ def _describe(e: dict) -> str:
     if e["type"] == "extra_forbidden":
         known = ", ".join(EngineConfig.model_fields)
         return f"unknown setting {field!r} (known settings: {known})"
-    msg = e["msg"]
+    msg = e["msg"].removeprefix("Value error, ")
     msg = msg[0].lower() + msg[1:] if msg else msg
     if field == "temperature":
         msg = "must be 'auto' or a number > 0"

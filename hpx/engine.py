@@ -184,6 +184,7 @@ class Engine:
 
         self._bind_knobs()
         self.step_count = 0
+        self._bad_factor: tuple[str, float, int] | None = None  # a schedule's factor < 0 or non-finite
         if world > 1:
             self._check_agreement(settle=False)
             # Every rank starts from rank 0's bases and permutation stream, whatever seed it was given.
@@ -254,6 +255,20 @@ class Engine:
             except ConfigError as e:
                 problems.extend(e.problems)
         ConfigError.check(problems)
+        writers: dict[str, list[str]] = {}
+        for k in self.knobs:
+            for t in dict.fromkeys(k.targets(self.replicas[0])):
+                writers.setdefault(t, []).append(k.name)
+        clashes = {t: names for t, names in writers.items() if len(names) > 1}
+        if clashes:
+            t, names = next(iter(clashes.items()))
+            more = f" (and {len(clashes) - 1} more settings)" if len(clashes) > 1 else ""
+            raise ConfigError([f"knobs {names} all write the {t}{more}: each would overwrite the other "
+                               "at every step; declare one knob per setting"])
+        if self.n_replicas == 1 and any(k.explore and k.spread > 0 for k in self.knobs):
+            log.warning("one replica in all: every knob stays at its base and nothing is explored "
+                        "(replicas=%s per process, %d process(es)); use replicas >= 2, or more processes",
+                        self.n_local, self.collective.world_size)
         self._scheduled = [i for i, k in enumerate(self.knobs) if k.scheduled]
         self._written: list[list[float | None]] = [[None] * self.n_local for _ in self.knobs]
 
@@ -267,6 +282,13 @@ class Engine:
         local = self._values[:, self._first : self._first + self.n_local]
         self._local_values: list[list[float]] = local.tolist()
 
+    def _check_factors(self) -> None:
+        if self._bad_factor is not None:
+            name, scale, step = self._bad_factor
+            raise ConfigError([f"knob {name!r}: its schedule gave the factor {scale!r} at step {step}; a "
+                               "schedule's factors must be finite and >= 0 (a negative learning rate "
+                               "trains uphill); is total_steps shorter than the run?"])
+
     def _write(self, force: bool = False) -> None:
         """Write each knob's value into each local replica where it changed."""
         which = range(len(self.knobs)) if force else self._scheduled
@@ -274,6 +296,10 @@ class Engine:
         for i in which:
             k = knobs[i]
             scale = k.scale(self.step_count)
+            if not 0.0 <= scale < math.inf and self._bad_factor is None:  # also catches NaN
+                # raised when a step would train with it: torch's own OneCycleLR (linear) goes
+                # below 0 at total_steps, after the last step, and hpx writes what torch writes
+                self._bad_factor = (k.name, scale, self.step_count)
             written, setters, vals = self._written[i], self._setters[i], self._local_values[i]
             for l, rep in enumerate(self.replicas):
                 v = vals[l] * scale
@@ -298,11 +324,19 @@ class Engine:
         Returns the ``[L]`` detached losses, on device (reading them is a sync:
         do it only when you log).
         """
+        self._check_factors()
         if batches is not None:
             if batch is not None:
                 raise ConfigError(["give batch or batches, not both"])
+            if isinstance(batches, tuple) and all(torch.is_tensor(b) for b in batches) and len(
+                    {(b.dtype, tuple(b.shape[1:])) for b in batches}) > 1:
+                raise ConfigError([f"batches=({', '.join(type(b).__name__ for b in batches)}) holds tensors "
+                                   "of different kinds, like one batch (x, y): pass it as batch=(x, y) "
+                                   "to split it among the replicas, or give batches=[batch_0, ...], one "
+                                   "batch per local replica"])
             if len(batches) != self.n_local:
-                raise ConfigError([f"batches has {len(batches)} entries for {self.n_local} local replicas"])
+                raise ConfigError([f"batches has {len(batches)} entries for {self.n_local} local replicas: "
+                                   "give one batch per local replica, or one batch=... to split"])
             parts = list(batches)
         else:
             parts = _split(batch, self.n_local)
@@ -361,6 +395,7 @@ class Engine:
         Call it after every optimizer step when not using :meth:`step`. ``batch``
         and ``loss_fn`` are handed to signals that score replicas on a batch.
         """
+        self._check_factors()
         if self._agreement_due:
             self._check_agreement(settle=True)
         self.step_count += 1
@@ -590,6 +625,8 @@ class Engine:
             "next_sync": self._next_sync,
             "knobs": self.knobs.state_dict(),
             "search": self.search.state_dict(),
+            "signal": (self.signal.state_dict() if callable(getattr(self.signal, "state_dict", None))
+                       else None),
             "slots": self._slots.clone(),
             "acc": self._acc.detach().cpu().clone(),
             "bad": self._bad.detach().cpu().clone(),
@@ -616,6 +653,8 @@ class Engine:
             r.model.load_state_dict(s["model"])
             r.optimizer.load_state_dict(s["optimizer"])
         self.knobs.load_state_dict(state["knobs"])
+        if state.get("signal") is not None and callable(getattr(self.signal, "load_state_dict", None)):
+            self.signal.load_state_dict(state["signal"])
         if "search" in state:
             self.search.load_state_dict(state["search"])
         else:  # format 1: the controller's state alone
@@ -637,6 +676,7 @@ class Engine:
         self._values = torch.stack(rows) if rows else torch.empty(0, self.n_replicas, dtype=torch.float64)
         self._local_values = self._values[:, self._first : self._first + self.n_local].tolist()
         self._written = [[None] * self.n_local for _ in self.knobs]
+        self._bad_factor = None
         self._write(force=True)
         self._agreement_due = self.collective.world_size > 1
 
@@ -830,19 +870,59 @@ def _optimizer_problems(what: str, current: dict[str, Any], saved: Any) -> list[
 
 
 def _split(batch: Any, n: int) -> list[Any]:
+    """``batch`` cut into ``n`` parts along the first dimension of every tensor in it."""
     if n == 1:
         return [batch]
+    ConfigError.check(_split_problems(batch, n))
+    return _cut(batch, n)
+
+
+def _split_problems(batch: Any, n: int) -> list[str]:
+    leaves = list(_leaves(batch, "batch"))
+    if not leaves:
+        return []
+    flat = [(where, t) for where, t in leaves if t.dim() == 0]
+    if flat:
+        samples = isinstance(batch, list) and batch and all(isinstance(b, (tuple, list, dict)) for b in batch)
+        if samples:
+            return [f"batch is a list of {len(batch)} separate examples, not a collated batch: stack them "
+                    "first (torch.utils.data.default_collate(batch), or a DataLoader), so that every "
+                    "tensor has one row per example"]
+        return [f"{flat[0][0]} is a 0-dim tensor: hpx splits every tensor of the batch among the {n} "
+                "replicas along its first dimension; give tensors with one row per example (or pass "
+                "batches=[...], one per replica)"]
+    sizes = {where: t.shape[0] for where, t in leaves}
+    if len(set(sizes.values())) > 1:
+        shown = ", ".join(f"{w}: {k}" for w, k in list(sizes.items())[:4])
+        return [f"the batch's tensors have different lengths along their first dimension ({shown}): hpx "
+                f"splits each of them among the {n} replicas, so they must hold the same examples"]
+    size = next(iter(sizes.values()))
+    if size < n:
+        return [f"a batch of size {size} cannot be split among {n} replicas: give at least one example "
+                "per replica"]
+    return []
+
+
+def _leaves(x: Any, where: str):
+    if torch.is_tensor(x):
+        yield where, x
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, f"{where}[{i}]")
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, f"{where}[{k!r}]")
+
+
+def _cut(batch: Any, n: int) -> list[Any]:
     if torch.is_tensor(batch):
-        if batch.dim() == 0 or batch.shape[0] < n:
-            raise ConfigError([f"a batch of size {batch.shape[0] if batch.dim() else 0} cannot be split "
-                               f"among {n} replicas: give at least one example per replica"])
         return list(torch.tensor_split(batch, n))
     if isinstance(batch, (list, tuple)):
-        cols = [_split(b, n) for b in batch]
+        cols = [_cut(b, n) for b in batch]
         return [type(batch)(c[i] for c in cols) if not hasattr(batch, "_fields")
                 else type(batch)(*(c[i] for c in cols)) for i in range(n)]
     if isinstance(batch, dict):
-        cols = {k: _split(v, n) for k, v in batch.items()}
+        cols = {k: _cut(v, n) for k, v in batch.items()}
         return [{k: v[i] for k, v in cols.items()} for i in range(n)]
     return [batch] * n
 

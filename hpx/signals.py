@@ -14,7 +14,7 @@ example, scoring an average of each replica's recent weights) by implementing it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -152,6 +152,26 @@ class SharedBatch:
         return f"SharedBatch(eval_mode={self.eval_mode})"
 
 
+def _nonfinite_problems(batch: Any, what: str) -> list[str]:
+    """A problem if a floating tensor in ``batch`` holds NaN or inf (a held-out batch with
+    NaN would score every replica NaN, which looks like every replica blowing up)."""
+    bad = [t for t in _tensors(batch) if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        return [f"{what} holds NaN or inf values ({len(bad)} of its tensors): clean the held-out data "
+                "(every replica would score NaN on it)"]
+    return []
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    if torch.is_tensor(x):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _tensors(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _tensors(v)]
+    return []
+
+
 class ProbeStream:
     """Every replica scored at the sync on held-out batches the user supplies.
 
@@ -163,9 +183,9 @@ class ProbeStream:
         batches: how many batches to score per sync.
         eval_mode: score with the model in eval mode.
 
-    The iterator's position is not part of a checkpoint; a resumed run restarts
-    the probe stream from its beginning (use a list or a fixed validation split
-    and ``batches`` equal to its length for an exactly reproducible resume).
+    The stream's position is part of the engine's checkpoint: a resumed run scores on the
+    batches the uninterrupted one would have (the data is iterated again from its start and
+    the consumed batches are skipped, so it must yield the same sequence).
     """
 
     def __init__(self, data: Iterable[Any], loss_fn: LossFn | None = None, *, batches: int = 1,
@@ -173,27 +193,55 @@ class ProbeStream:
         problems = []
         if not isinstance(data, Iterable):
             problems.append(f"ProbeStream data must be iterable (got {type(data).__name__})")
-        if not isinstance(batches, int) or batches < 1:
+        elif isinstance(data, Sized) and len(data) == 0:
+            problems.append("ProbeStream data is empty: give it at least one batch of held-out data")
+        if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
             problems.append(f"ProbeStream batches must be an integer >= 1 (got {batches!r})")
+        if not problems and isinstance(data, (list, tuple)):  # cheap to check all now, once
+            for i, b in enumerate(data):
+                problems += _nonfinite_problems(b, f"probe batch {i}")
         ConfigError.check(problems)
         self.data, self.loss_fn, self.batches, self.eval_mode = data, loss_fn, batches, eval_mode
         self._it: Iterator[Any] | None = None
+        self._pos = 0  # batches consumed since the start of the run
+        self._checked = isinstance(data, (list, tuple))
 
     def _next(self) -> Any:
         for _ in range(2):
             if self._it is None:
                 self._it = iter(self.data)
             try:
-                return next(self._it)
+                batch = next(self._it)
             except StopIteration:
                 self._it = None
-        raise ConfigError(["ProbeStream data yielded no batches"])
+                continue
+            if not self._checked:
+                ConfigError.check(_nonfinite_problems(batch, f"probe batch {self._pos}"))
+            self._pos += 1
+            return batch
+        raise ConfigError(["ProbeStream data yielded no batches: give it at least one batch of "
+                           "held-out data (an exhausted generator cannot be cycled: pass a list "
+                           "or a DataLoader)"])
 
     def measure(self, ctx: SyncContext) -> torch.Tensor:
         fn = self.loss_fn or ctx.loss_fn
         if fn is None:
             raise ConfigError(["ProbeStream needs loss_fn=... when Engine.step is not used"])
         return _score(ctx.replicas, [self._next() for _ in range(self.batches)], fn, self.eval_mode)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self._pos}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after ``state["position"]`` consumed batches."""
+        pos = int(state["position"])
+        self._it, self._pos = None, 0
+        skip = pos % len(self.data) if isinstance(self.data, Sized) and len(self.data) else pos
+        for _ in range(skip):
+            if self._it is None:
+                self._it = iter(self.data)
+            next(self._it)
+        self._pos = pos
 
     def __repr__(self) -> str:
         return f"ProbeStream(batches={self.batches}, eval_mode={self.eval_mode})"

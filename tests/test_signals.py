@@ -132,3 +132,67 @@ def test_signal_is_not_asked_when_the_search_does_not_read_it(digits):
         losses += engine.step(ce, b)
     assert engine.history[-1].scores == pytest.approx((losses / 3).tolist(), rel=1e-5)
     assert engine.history[-1].weights is None
+
+
+# --- the probe's data -------------------------------------------------------------------
+
+
+def test_probe_data_problems_are_named_at_once(digits):
+    x, y = digits
+    with pytest.raises(hpx.ConfigError, match="ProbeStream data is empty"):
+        hpx.ProbeStream([])
+    bad = x[:32].clone()
+    bad[3, 5] = float("nan")
+    with pytest.raises(hpx.ConfigError, match="probe batch 1 holds NaN or inf"):
+        hpx.ProbeStream([(x[:32], y[:32]), (bad, y[:32])])
+    with pytest.raises(hpx.ConfigError, match=r"batches must be an integer >= 1 \(got True\)"):
+        hpx.ProbeStream([(x[:32], y[:32])], batches=True)
+
+
+def test_a_nan_probe_batch_from_a_stream_is_named_at_the_sync(digits):
+    x, y = digits
+    bad = x[:32].clone()
+    bad[0, 0] = float("inf")
+
+    def stream():
+        yield x[:32], y[:32]
+        yield bad, y[:32]
+
+    class Restartable:  # like a DataLoader: iterable again and again
+        def __iter__(self):
+            return stream()
+
+    engine = hpx.Engine(mlp(), sgd(), [hpx.LearningRate(spread=0.3)], replicas=2, sync_every=2,
+                        signal=hpx.ProbeStream(Restartable()))
+    bs = batches(digits, 4)
+    for _ in range(2):
+        engine.step(ce, next(bs))  # the first sync scores on the clean batch
+    engine.step(ce, next(bs))
+    with pytest.raises(hpx.ConfigError, match="probe batch 1 holds NaN or inf"):
+        engine.step(ce, next(bs))
+
+
+def test_resume_keeps_the_probe_streams_position(digits):
+    import copy
+
+    x, y = digits
+    probe = [(x[1400 + 32 * i: 1432 + 32 * i], y[1400 + 32 * i: 1432 + 32 * i]) for i in range(3)]
+    data = list(batches(digits, 12))
+
+    def build():
+        return hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=2,
+                          signal=hpx.ProbeStream(probe))
+
+    full = build()
+    for b in data:
+        full.step(ce, b)
+    part = build()
+    for b in data[:5]:  # two syncs: the probe has moved on to its third batch
+        part.step(ce, b)
+    saved = copy.deepcopy(part.state_dict())
+    assert saved["signal"] == {"position": 2}
+    resumed = build()
+    resumed.load_state_dict(saved)
+    for b in data[5:]:
+        resumed.step(ce, b)
+    assert [r.scores for r in resumed.history] == [r.scores for r in full.history]

@@ -151,7 +151,10 @@ def bounded_additive(draw):
 def test_additive_values_stay_in_bounds_when_clamped(b, ns_):
     low, high, base, alpha = b
     _, slots = ns_
-    knob = Knob("p", base=base, spread=alpha, kind="add", bounds=(low, high))
+    # declared this wide it is refused (see test_a_declared_spread_past_the_bounds_is_refused);
+    # a base that moved near a bound, or a strategy's spread, still clamps
+    knob = Knob("p", base=base, kind="add", bounds=(low, high))
+    knob.set_spread(alpha, "linear")
     v = knob.values(slots)
     assert bool((v >= low).all() and (v <= high).all())
     # clamping keeps the order of the slots (higher slot, never smaller value)
@@ -428,3 +431,17 @@ def test_mean_value_over_replicas_is_the_base_for_every_draw(specs, n, seed, ind
 
 def test_package_exports():
     assert hpx.Knobs is Knobs and hpx.slot_offsets is slot_offsets
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(base=0.05, spread=0.2, kind="add", bounds=(0.0, 1.0)),
+     "span [-0.15, 0.25], past its bounds [0, 1]"),
+    (dict(base=0.05, spread=0.2, kind="add", bounds=(0.0, 1.0)), "use a spread <= 0.05"),
+    (dict(base=0.8, spread=0.5, kind="mul", bounds=(0.0, 1.0)), "span [0.4, 1.2], past its bounds [0, 1]"),
+    (dict(base=0.6, span=2.0, bounds=(0.0, 1.0)), "span [0.3, 1.2]"),
+])
+def test_a_declared_spread_past_the_bounds_is_refused(kw, needle):
+    with pytest.raises(ConfigError) as err:
+        Knob("p", **kw)
+    assert needle in str(err.value)
+    Knob("p", **{**kw, "explore": False})  # a knob that does not explore has no spread to check

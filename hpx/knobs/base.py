@@ -25,6 +25,7 @@ mean exactly 0, so ``rho`` lies evenly in ``[1-alpha, 1+alpha]`` with mean 1.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -130,6 +131,8 @@ class Knob:
                                 f"span={span!r})")
         if base is not None:
             problems.extend(_base_problems(label, base, kind, low, high))
+            if not problems and explore:
+                problems.extend(_reach_problems(label, float(base), kind, low, high, spread, span))
         ConfigError.check(problems)
         self.name = name
         self.kind = kind
@@ -156,6 +159,13 @@ class Knob:
     def read(self, replica: Replica) -> float | None:
         """The replica's current value, used as the base when ``base=None``."""
         return None
+
+    def targets(self, replica: Replica) -> list[str]:
+        """What this knob writes in ``replica``, one description per setting (for
+        instance ``"lr of parameter group 0"``). The engine refuses two knobs that write
+        the same setting, since the second would overwrite the first at every step.
+        Knobs that only publish a value (``replica.value(name)``) write nothing."""
+        return []
 
     def scale(self, step: int) -> float:
         """A per-step factor applied on top of the replica's value (1 by default).
@@ -305,7 +315,28 @@ class Custom(Knob):
 
 
 def _is_real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A finite real number: Python's, NumPy's (``np.float32(0.1)``) or any ``numbers.Real``."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def _reach_problems(label: str, base: float, kind: str, low: float, high: float, spread: float,
+                    span: float | None) -> list[str]:
+    """The declared spread must keep the replicas' values inside the bounds: past a bound,
+    several replicas would share the clamped value and the spread would explore less
+    than it says."""
+    if span is not None:
+        lo, hi = base / span, base * span
+    elif kind == "mul":
+        lo, hi = base * (1 - spread), base * (1 + spread)
+    else:
+        lo, hi = base - spread, base + spread
+    if lo >= low and hi <= high:
+        return []
+    room = min(base - low, high - base) if kind == "add" else None
+    fix = (f"use a spread <= {room:g} or move the base" if room is not None
+           else "narrow the spread or move the base")
+    return [f"the values of {label} would span [{lo:g}, {hi:g}], past its bounds [{low:g}, {high:g}]: "
+            f"replicas beyond a bound would all get the bound's value; {fix}"]
 
 
 def _base_problems(label: str, base: object, kind: str, low: float, high: float) -> list[str]:

@@ -105,6 +105,11 @@ class ModuleAttribute(Knob):
 
         return setter
 
+    def targets(self, replica: Replica) -> list[str]:
+        names = {id(m): n or "the model" for n, m in replica.model.named_modules()}
+        return [f"{self.attribute} of module {names.get(id(m), type(m).__name__)}"
+                for m in self.select(replica.model)]
+
     def read(self, replica: Replica) -> float:
         vals = {float(getattr(m, self.attribute)) for m in self.select(replica.model)}
         if len(vals) != 1:

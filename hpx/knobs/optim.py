@@ -87,6 +87,9 @@ class GroupKnob(Knob):
 
         return setter
 
+    def targets(self, replica: Replica) -> list[str]:
+        return [f"{self.key} of parameter group {self._index(replica)}"]
+
     def read(self, replica: Replica) -> float:
         value = replica.optimizer.param_groups[self._index(replica)][self.key]
         if hasattr(value, "item"):  # a tensor lr (capturable optimizers)
@@ -195,6 +198,9 @@ class LearningRateScale(Knob):
 
     scale = _scheduled_scale
     scheduled = property(_is_scheduled)
+
+    def targets(self, replica: Replica) -> list[str]:
+        return [f"lr of parameter group {i}" for i in range(len(replica.optimizer.param_groups))]
 
     def bind(self, replica: Replica) -> Setter:
         opt = replica.optimizer
