@@ -196,6 +196,9 @@ class Engine:
         self._acc = torch.zeros(local, device=dev)  # per local replica: sum of the interval's finite losses
         self._bad = torch.zeros(local, device=dev)  # ... and how many of its losses were non-finite
         self._acc_n = [0] * local  # ... and how many losses were recorded (host-side count)
+        self._step_loss = torch.zeros(local, device=dev)  # this optimizer step's losses, summed
+        self._fresh, self._reduced = True, False  # no backward yet in this step; mean not applied
+        self._last: tuple[Any, LossFn | None] = (None, None)  # (batch, loss_fn) signals score on
         self.history: list[SyncRecord] = []
         self._agreement_due = False  # after a load: check that the ranks resumed alike
         self._next_sync = cfg.sync_every
@@ -314,7 +317,7 @@ class Engine:
     def step(
         self, loss_fn: LossFn, batch: Any = None, *, batches: Sequence[Any] | None = None
     ) -> torch.Tensor:
-        """One optimizer step of every local replica.
+        """One optimizer step of every local replica: :meth:`backward` then :meth:`optimizer_step`.
 
         ``loss_fn(replica, batch)`` returns the replica's scalar loss. ``batch`` is
         split along its first dimension among the local replicas (tensors inside
@@ -324,7 +327,117 @@ class Engine:
         Returns the ``[L]`` detached losses, on device (reading them is a sync:
         do it only when you log).
         """
+        losses = self.backward(loss_fn, batch, batches=batches)
+        self.optimizer_step()
+        return losses
+
+    def backward(self, loss_fn: LossFn, batch: Any = None, *, batches: Sequence[Any] | None = None,
+                 scale: float = 1.0, scaler: Any = None) -> torch.Tensor:
+        """Forward and backward of every local replica; gradients add up until the next
+        :meth:`optimizer_step` (call it once per micro-batch to accumulate).
+
+        Args:
+            loss_fn, batch, batches: as for :meth:`step`.
+            scale: what the loss is multiplied by for backward: ``1 / k`` when accumulating
+                ``k`` micro-batches of a mean loss. The losses recorded for the search are
+                unscaled.
+            scaler: a ``torch.amp.GradScaler`` for mixed precision: backward runs on
+                ``scaler.scale(loss * scale)``; give the same scaler to :meth:`optimizer_step`.
+
+        Returns the ``[L]`` detached, unscaled losses, on device.
+
+        Run it under ``torch.autocast(...)`` for mixed precision, as you would the forward.
+        """
         self._check_factors()
+        parts, shared = self._parts(batch, batches)
+        if self._fresh:  # the first micro-batch of an optimizer step
+            prepare = getattr(self.signal, "prepare", None)
+            if prepare is not None and self.step_count + 1 >= self._next_sync and self._controls_now(1):
+                prepare(SyncContext(self.replicas, self._acc, shared, loss_fn, self.collective,
+                                    self.step_count))
+            if self._grads is not None:
+                self._grads.zero_()
+            else:
+                for r in self.replicas:
+                    r.optimizer.zero_grad(set_to_none=True)
+            self._fresh, self._reduced = False, False
+            self._last = (shared, loss_fn)
+        problems = []
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale < math.inf:
+            problems.append(f"scale must be a number > 0 (got {scale!r}): 1 / k when accumulating k "
+                            "micro-batches")
+        if scaler is not None and not callable(getattr(scaler, "scale", None)):
+            problems.append(f"scaler must be a torch.amp.GradScaler or None (got {scaler!r})")
+        ConfigError.check(problems)
+        losses = []
+        for rep, part in zip(self.replicas, parts):
+            loss = loss_fn(rep, part)
+            if not torch.is_tensor(loss) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
+                                f"of shape {getattr(loss, 'shape', None)})")
+            out = loss * scale if scale != 1 else loss
+            (scaler.scale(out) if scaler is not None else out).backward()
+            losses.append(loss.detach().reshape(()))
+        lt = torch.stack(losses).to(self._acc.dtype)
+        self._accumulate(lt, range(self.n_local))
+        self._step_loss.add_(lt)  # non-finite if any micro-batch's was: left out of the mean
+        return lt
+
+    def reduce(self) -> None:
+        """Apply the shared-gradient mean (Eq. 2) to the accumulated gradients: every local
+        replica's gradient becomes the mean over all replicas whose losses were finite.
+
+        :meth:`optimizer_step` and :meth:`step` call it. A loop that steps the optimizers
+        itself calls it after the last backward and before unscaling, clipping or stepping;
+        without it :meth:`advance` raises, since the replicas would silently stop sharing
+        the gradient. Nothing to do (and nothing done) in independent mode, with one replica
+        per process under DDP (which reduces during backward), or twice in one step.
+        """
+        if self._grads is not None and not self._reduced:
+            if self._fresh:  # no engine.backward this step: a loop of its own may have moved them
+                self._grads.adopt_()
+            self._grads.average_(self._step_loss, self.collective)
+        self._reduced = True
+
+    def optimizer_step(self, *, max_grad_norm: float | None = None,
+                       scaler: Any = None) -> torch.Tensor | None:
+        """Step every local replica's optimizer on the accumulated gradients, then :meth:`advance`.
+
+        Applies the shared-gradient mean (:meth:`reduce`), then, with ``scaler`` (a
+        ``torch.amp.GradScaler``), unscales each optimizer's gradients, clips the gradient
+        norm to ``max_grad_norm`` if given (per replica, over all its parameters, as
+        ``torch.nn.utils.clip_grad_norm_``), steps each optimizer (through the scaler,
+        which skips a step whose gradients are not finite) and updates the scaler.
+
+        Returns the ``[L]`` gradient norms before clipping (on device) when clipping, else ``None``.
+        """
+        if self._fresh:
+            raise ConfigError(["optimizer_step() found no gradients: call engine.backward(loss_fn, batch) "
+                               "first (once per micro-batch)"])
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                              and not isinstance(max_grad_norm, bool) and max_grad_norm > 0):
+            raise ConfigError([f"max_grad_norm must be a number > 0 or None (got {max_grad_norm!r})"])
+        self.reduce()
+        if scaler is not None:
+            for r in self.replicas:
+                scaler.unscale_(r.optimizer)
+        norms = None
+        if max_grad_norm is not None:
+            norms = torch.stack([torch.nn.utils.clip_grad_norm_(r.model.parameters(), float(max_grad_norm))
+                                 for r in self.replicas])
+        for r in self.replicas:
+            if scaler is not None:
+                scaler.step(r.optimizer)
+            else:
+                r.optimizer.step()
+        if scaler is not None:
+            scaler.update()
+        shared, loss_fn = self._last
+        self.advance(batch=shared, loss_fn=loss_fn)
+        return norms
+
+    def _parts(self, batch: Any, batches: Sequence[Any] | None) -> tuple[list[Any], Any]:
+        """Each local replica's part of the batch, and what signals score every replica on."""
         if batches is not None:
             if batch is not None:
                 raise ConfigError(["give batch or batches, not both"])
@@ -337,43 +450,21 @@ class Engine:
             if len(batches) != self.n_local:
                 raise ConfigError([f"batches has {len(batches)} entries for {self.n_local} local replicas: "
                                    "give one batch per local replica, or one batch=... to split"])
-            parts = list(batches)
-        else:
-            parts = _split(batch, self.n_local)
-        shared = batch if batches is None else parts[0]  # what signals score every replica on
-        prepare = getattr(self.signal, "prepare", None)
-        if prepare is not None and self.step_count + 1 >= self._next_sync and self._controls_now(1):
-            prepare(SyncContext(self.replicas, self._acc, shared, loss_fn, self.collective,
-                                self.step_count))
-        if self._grads is not None:
-            self._grads.zero_()
-        else:
-            for r in self.replicas:
-                r.optimizer.zero_grad(set_to_none=True)
-        losses = []
-        for rep, part in zip(self.replicas, parts):
-            loss = loss_fn(rep, part)
-            if not torch.is_tensor(loss) or loss.numel() != 1:
-                raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
-                                f"of shape {getattr(loss, 'shape', None)})")
-            loss.backward()
-            losses.append(loss.detach().reshape(()))
-        lt = torch.stack(losses).to(self._acc.dtype)
-        self._accumulate(lt, range(self.n_local))
-        if self._grads is not None:
-            self._grads.average_(lt, self.collective)
-        for r in self.replicas:
-            r.optimizer.step()
-        self.advance(batch=shared, loss_fn=loss_fn)
-        return lt
+            return list(batches), batches[0]
+        return _split(batch, self.n_local), batch
 
     def record(self, loss: torch.Tensor, replica: int = 0) -> None:
         """Add a local replica's loss to its interval mean (stays on device).
 
-        For training loops that do their own backward and optimizer step; call
-        :meth:`advance` after the optimizer step.
+        For training loops that do their own backward and optimizer step: record each
+        replica's loss, call :meth:`reduce` after backward (replicas in shared mode share
+        the mean gradient) and :meth:`advance` after the optimizer step. :meth:`backward`
+        and :meth:`optimizer_step` do all of this, with room for clipping, a GradScaler and
+        accumulation.
         """
-        self._accumulate(loss.detach().reshape(1).to(self._acc.dtype), [replica])
+        lt = loss.detach().reshape(1).to(self._acc.dtype)
+        self._accumulate(lt, [replica])
+        self._step_loss[replica] += lt[0]  # a non-finite loss keeps the replica out of the mean
 
     def _accumulate(self, losses: torch.Tensor, which: Sequence[int]) -> None:
         """Add ``losses`` (of the local replicas ``which``) to the interval's sums, on device:
@@ -396,8 +487,16 @@ class Engine:
         and ``loss_fn`` are handed to signals that score replicas on a batch.
         """
         self._check_factors()
+        if self._grads is not None and not self._reduced:
+            raise ConfigError(
+                [f"the {self.n_replicas} replicas train in shared mode, but this step's gradients were "
+                 "never averaged: call engine.reduce() after backward and before the optimizers step "
+                 "(or use engine.optimizer_step(), or engine.step()); without it each replica would "
+                 "follow its own gradient and the method would silently change"])
         if self._agreement_due:
             self._check_agreement(settle=True)
+        self._fresh, self._reduced = True, False
+        self._step_loss.zero_()
         self.step_count += 1
         if self.step_count >= self._next_sync:
             self._sync(batch, loss_fn)
@@ -794,6 +893,16 @@ class _GradBuckets:
                     view = chunk.view(ps[i].shape)
                     ps[i].grad = view
                     self._views.append((ps[i], view))
+
+    def adopt_(self) -> None:
+        """Bring gradients that a loop of its own left outside the buffer back into it."""
+        for p, v in self._views:
+            if p.grad is not v:
+                if p.grad is None:
+                    v.zero_()
+                else:
+                    v.copy_(p.grad)
+                p.grad = v
 
     def zero_(self) -> None:
         for buf in self.buffers:

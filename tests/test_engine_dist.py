@@ -99,7 +99,7 @@ def _ddp(model: nn.Module) -> DDP:
 
 def _train(backend: hpx.Collective, *, mode: str = "shared", ddp: bool = False, spread: float = 0.3,
            nan_step: int | None = None, steps: int = STEPS, own_hook: bool = False,
-           **settings: Any) -> dict:
+           accumulate: bool = False, **settings: Any) -> dict:
     """Train on the digits; return the history and every local replica's final state.
 
     ``own_hook``: the DDP model comes with DDP's plain all-reduce hook already
@@ -125,7 +125,15 @@ def _train(backend: hpx.Collective, *, mode: str = "shared", ddp: bool = False, 
     for x, y in _batches(steps):
         if world > 1:  # rank r trains on chunk r, as in-process replica r does
             x, y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
-        engine.step(loss_fn, (x, y))
+        if not accumulate:
+            engine.step(loss_fn, (x, y))
+            continue
+        # two micro-batches per replica (each half of its part), then a clipped step
+        parts = [(px, py) for px, py in zip(x.tensor_split(replicas), y.tensor_split(replicas))]
+        for k in range(2):
+            engine.backward(loss_fn, batches=[(px.tensor_split(2)[k], py.tensor_split(2)[k])
+                                              for px, py in parts], scale=0.5)
+        engine.optimizer_step(max_grad_norm=1.0)
     return {"history": [asdict(r) for r in engine.history],
             "states": [_state(r.model) for r in engine.replicas]}
 
@@ -380,6 +388,8 @@ def _world4(rank: int, world_size: int) -> dict:
     out["plain_ddp"] = _plain_ddp(STEPS)
     out["autolr"] = _train_autolr(backend)
     out["checkpoint"] = _checkpoint_resume(backend)
+    out["accumulate_ddp"] = _train(backend, ddp=True, accumulate=True)
+    out["accumulate"] = _train(backend, accumulate=True)
     out["checkpoint_ddp"] = _checkpoint_resume(backend, ddp=True)
     out["sync_calls"] = _sync_calls(backend)
     out["inconsistent"] = _inconsistent(backend)
@@ -407,6 +417,7 @@ def local() -> dict[str, dict]:
         "independent": _train(backend, mode="independent"),
         "nan": _train(backend, nan_step=NAN_STEP),
         "autolr": _train_autolr(backend, ddp=False),
+        "accumulate": _train(backend, accumulate=True),
     }
 
 
@@ -608,6 +619,16 @@ def test_ranks_built_or_resumed_differently_fail_at_once_naming_why(ranks):
         assert "knobs: rank(s) [2] differ from rank 0" in d["knobs"]
         assert "mode: rank(s) [3] differ" in d["mode"] and "building the engine" in d["mode"]
         assert "step: rank 0 has 3, rank 1 has 1" in d["step"] and "resuming" in d["step"]
+
+
+@pytest.mark.parametrize("scenario", ["accumulate", "accumulate_ddp"])
+def test_accumulation_and_clipping_match_in_process(ranks, local, scenario):
+    """Two micro-batches per step and a clipped optimizer step: over DDP (which reduces in
+    backward) and over hpx's own gradient mean, the same run as 4 replicas in one process."""
+    ref = local["accumulate"]
+    for rank, r in enumerate(ranks):
+        _assert_histories_match(r[scenario]["history"], ref["history"])
+        _assert_states_close(r[scenario]["states"][0], ref["states"][rank], scenario)
 
 
 def test_checkpoint_resume_agrees_on_the_newest_common_step(ranks):
