@@ -127,6 +127,7 @@ class SharedBatch:
     """
 
     def __init__(self, loss_fn: LossFn | None = None, *, eval_mode: bool = True) -> None:
+        ConfigError.check(_loss_fn_problems("SharedBatch", loss_fn))
         self.loss_fn = loss_fn
         self.eval_mode = eval_mode
 
@@ -150,6 +151,13 @@ class SharedBatch:
 
     def __repr__(self) -> str:
         return f"SharedBatch(eval_mode={self.eval_mode})"
+
+
+def _loss_fn_problems(who: str, loss_fn: Any) -> list[str]:
+    if loss_fn is not None and not callable(loss_fn):
+        return [f"{who} loss_fn must be a function (replica, batch) -> scalar loss, or None for the "
+                f"training loss (got {loss_fn!r})"]
+    return []
 
 
 def _nonfinite_problems(batch: Any, what: str) -> list[str]:
@@ -197,6 +205,7 @@ class ProbeStream:
             problems.append("ProbeStream data is empty: give it at least one batch of held-out data")
         if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
             problems.append(f"ProbeStream batches must be an integer >= 1 (got {batches!r})")
+        problems += _loss_fn_problems("ProbeStream", loss_fn)
         if not problems and isinstance(data, (list, tuple)):  # cheap to check all now, once
             for i, b in enumerate(data):
                 problems += _nonfinite_problems(b, f"probe batch {i}")

@@ -188,7 +188,71 @@ SIGNALS = [
          ("batches must be an integer >= 1", "(got 0)")),
 ]
 
-ALL = CONSTRUCTION + KNOBS + STEPS + SIGNALS
+def _sgd_opt() -> torch.optim.Optimizer:
+    return _sgd(_model())
+
+
+def _auto(**kw: Any) -> hpx.Engine:
+    return hpx.autolr(_model(), kw.pop("optimizer", _sgd), **{"total_steps": 100, **kw})
+
+
+SIGNALS += [
+    Case("shared batch loss_fn", lambda: hpx.SharedBatch(loss_fn=3), hpx.ConfigError,
+         ("loss_fn must be a function (replica, batch)", "(got 3)")),
+    Case("probe loss_fn", lambda: hpx.ProbeStream([(x8, y8)], loss_fn="ce"), hpx.ConfigError,
+         ("loss_fn must be a function", "(got 'ce')")),
+]
+
+RECIPE = [
+    Case("autolr total_steps 0", lambda: _auto(total_steps=0), hpx.ConfigError,
+         ("total_steps must be an integer >= 1", "(got 0)")),
+    Case("autolr controller setting", lambda: _auto(meta_lr=0.1), hpx.ConfigError,
+         ("meta_lr belong to hpx.search.HDET", "search=hpx.search.HDET")),
+    Case("autolr probe not iterable", lambda: _auto(probe=3), hpx.ConfigError,
+         ("probe must be an iterable of batches", "int")),
+    Case("autolr schedule", lambda: _auto(schedule=3), hpx.ConfigError,
+         ("schedule must be a function step -> factor, a torch LRScheduler", "int")),
+    Case("autolr knob named lr", lambda: _auto(knobs=[hpx.WeightDecay("lr", base=1e-4)]), hpx.ConfigError,
+         ("knob name 'lr' is autolr's own", "name yours differently")),
+    Case("autolr lr 0", lambda: _auto(optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.0)),
+         hpx.ConfigError, ("every group's lr is 0", "build the optimizer with the lr you would use")),
+]
+
+STRATEGIES = [
+    Case("bracket every 0", lambda: hpx.search.Bracket(100, every=0), hpx.ConfigError,
+         ("every must be an integer >= 1", "(got 0)")),
+    Case("bracket span 1", lambda: hpx.search.Bracket(100, span=1.0), hpx.ConfigError,
+         ("span must be a number > 1", "(got 1.0)")),
+    Case("bracket merge", lambda: hpx.search.Bracket(100, merge="max"), hpx.ConfigError,
+         ("'mean' or 'best'", "'max'")),
+    Case("bracket total 0", lambda: hpx.search.Bracket(0), hpx.ConfigError, ("total_steps", "(got 0)")),
+    Case("hdet decay 1", lambda: hpx.search.HDET(decay=1.0), hpx.ConfigError, ("[0, 1)", "(got 1.0)")),
+    Case("hdet warmup -1", lambda: hpx.search.HDET(warmup=-1), hpx.ConfigError, ("warmup", "(got -1)")),
+    Case("hdet controller", lambda: hpx.search.HDET(controller=3), hpx.ConfigError,
+         ("update, log_mask, state_dict and load_state_dict", "(got 3)")),
+    Case("controller meta_lr", lambda: hpx.Controller(meta_lr=-1), hpx.ConfigError, ("meta_lr", "(got -1)")),
+    Case("controller temperature", lambda: hpx.Controller(temperature=0), hpx.ConfigError,
+         ("'auto' or a number > 0", "(got 0)")),
+    Case("knob names repeat", lambda: hpx.Knobs(hpx.LearningRate("a"), hpx.WeightDecay("a", base=1e-4)),
+         hpx.ConfigError, ("unique", "['a']")),
+]
+
+SCHEDULERS = [
+    Case("onecycle no length", lambda: hpx.OneCycleLR(_sgd_opt(), max_lr=0.1), hpx.ConfigError,
+         ("give total_steps", "epochs and steps_per_epoch")),
+    Case("onecycle pct_start", lambda: hpx.OneCycleLR(_sgd_opt(), max_lr=0.1, total_steps=10, pct_start=1.5),
+         hpx.ConfigError, ("pct_start must be in [0, 1]", "1.5")),
+    Case("onecycle anneal", lambda: hpx.OneCycleLR(_sgd_opt(), max_lr=0.1, total_steps=10,
+                                                   anneal_strategy="sin"),
+         hpx.ConfigError, ("'cos' or 'linear'", "'sin'")),
+    Case("onecycle max_lr count", lambda: hpx.OneCycleLR(_sgd_opt(), max_lr=[0.1, 0.2], total_steps=10),
+         hpx.ConfigError, ("one per param group", "2 values")),
+    Case("explore not a scheduler", lambda: hpx.ExploreLR(3), hpx.ConfigError, ("LRScheduler", "int")),
+    Case("explore spread", lambda: hpx.ExploreLR(torch.optim.lr_scheduler.StepLR(_sgd_opt(), 5), spread=-0.1),
+         hpx.ConfigError, ("spread must be a number in [0, 1)", "-0.1")),
+]
+
+ALL = CONSTRUCTION + KNOBS + STEPS + SIGNALS + RECIPE + STRATEGIES + SCHEDULERS
 
 
 @pytest.mark.parametrize("case", ALL, ids=[c.name for c in ALL])
@@ -235,3 +299,48 @@ def test_one_replica_with_a_spread_warns(caplog: pytest.LogCaptureFixture) -> No
     with caplog.at_level("WARNING", logger="hpx"):
         _engine(replicas=1)
     assert "one replica in all" in caplog.text and "replicas >= 2" in caplog.text
+
+
+def _engine_state(engine: hpx.Engine) -> tuple:
+    return (copy.deepcopy([(r.model.state_dict(), r.optimizer.state_dict()) for r in engine.replicas]),
+            engine.step_count, dict(engine.bases), len(engine.history), engine.next_sync)
+
+
+def _unchanged(a: tuple, b: tuple) -> bool:
+    (sa, *ra), (sb, *rb) = a, b
+    for (ma, oa), (mb, ob) in zip(sa, sb):
+        if any(not torch.equal(ma[k], mb[k]) for k in ma) or oa["param_groups"] != ob["param_groups"]:
+            return False
+        st_a, st_b = oa["state"], ob["state"]
+        if any(not torch.equal(st_a[i][k], st_b[i][k]) for i in st_a for k in st_a[i]):
+            return False
+    return ra == rb
+
+
+ON_AN_ENGINE = [
+    ("uncollated", lambda e: e.step(_ce, [(x8[i], y8[i]) for i in range(8)]), hpx.ConfigError),
+    ("lengths differ", lambda e: e.step(_ce, (x8, y8[:6])), hpx.ConfigError),
+    ("batches=(x, y)", lambda e: e.step(_ce, batches=(x8, y8)), hpx.ConfigError),
+    ("loss a float", lambda e: e.step(lambda r, b: 1.0, (x8, y8)), TypeError),
+    ("bad max_grad_norm", lambda e: (e.backward(_ce, (x8, y8)), e.optimizer_step(max_grad_norm=0)),
+     hpx.ConfigError),
+    ("bad scale", lambda e: e.backward(_ce, (x8, y8), scale=0), hpx.ConfigError),
+    ("checkpoint of another engine", lambda e: e.load_state_dict(_engine(sync_every=5).state_dict()),
+     hpx.ConfigError),
+    ("checkpoint not a dict", lambda e: e.load_state_dict([1, 2]), hpx.ConfigError),
+    ("save keep 0", lambda e: hpx.save_checkpoint("/nonexistent-hpx-dir", e, keep=0), hpx.ConfigError),
+    ("load extra not stateful", lambda e: hpx.load_checkpoint("/nonexistent-hpx-dir", e, extra={"s": 1}),
+     hpx.ConfigError),
+]
+
+
+@pytest.mark.parametrize("call, error", [(c, e) for _, c, e in ON_AN_ENGINE],
+                         ids=[n for n, _, _ in ON_AN_ENGINE])
+def test_a_refused_call_leaves_the_engine_as_it_was(call, error) -> None:
+    engine = _engine()
+    for _ in range(3):  # momentum buffers, a sync, and a step into the next interval
+        engine.step(_ce, _xy(8))
+    before = _engine_state(engine)
+    with pytest.raises(error):
+        call(engine)
+    assert _unchanged(before, _engine_state(engine))
