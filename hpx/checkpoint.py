@@ -3,7 +3,8 @@
 A run's checkpoint lives in one directory, one sub-directory per saved step::
 
     run/ckpt/step-000001200/rank-00000.pt          # torch.save of this rank's state
-    run/ckpt/step-000001200/rank-00000.pt.sha256   # its digest: written last, marks it complete
+    run/ckpt/step-000001200/rank-00000.pt.sha256   # its digest and the run's process count:
+                                                   # written last, marks it complete
 
 Each rank writes only its own files, each to a temporary name first, flushed to disk and
 then renamed (``os.replace``), so a rank killed during a save leaves the previous
@@ -25,6 +26,7 @@ Under ``torchrun --max-restarts``, restarted gloo workers re-initialise reliably
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import random
@@ -92,7 +94,8 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
             os.fsync(f.fileno())
         digest = _digest(tmp)
         os.replace(tmp, path)
-        _write_atomic(_sidecar(path), digest + "\n")
+        info = {"sha256": digest, "world_size": state["world_size"]}
+        _write_atomic(_sidecar(path), json.dumps(info) + "\n")
         _fsync_dir(folder)
     finally:
         if tmp.exists():
@@ -102,7 +105,8 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
 
 
 def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
-                    extra: Mapping[str, Any] | None = None, rng: bool = True) -> int | None:
+                    extra: Mapping[str, Any] | None = None, rng: bool = True,
+                    elastic: bool = False) -> int | None:
     """Resume from the newest step that every rank saved completely; return it, or ``None``
     when there is none (a fresh start: nothing is changed).
 
@@ -113,6 +117,12 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
         rng: also restore the random streams saved with it (torch's global generator,
             CUDA's, ``random``'s and NumPy's), which exact resume needs when the
             training draws from them (dropout masks, data shuffling).
+        elastic: resume a run saved with another number of replicas or processes
+            (:meth:`Engine.load_elastic <hpx.Engine.load_elastic>`: every replica starts
+            from the saved replicas' consensus; bases, search state, step and history
+            carry over). Every rank reads every saved rank's file, so the directory must
+            be shared. A rank the saved run did not have takes rank 0's random streams
+            and extra states.
 
     A file whose digest does not match (damaged after it was written) is skipped with a
     warning, as is a step that some rank lacks; the newest step left is loaded. When the
@@ -120,6 +130,8 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     raised and nothing is changed. Under torch.distributed every rank must call it.
     """
     ConfigError.check(_extra_problems(extra))
+    if elastic:
+        return _load_elastic(Path(directory), engine, extra, rng)
     root = Path(directory)
     rank = engine.collective.rank
     excluded: set[int] = set()
@@ -128,10 +140,7 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
         if step is None:
             return None
         path = root / f"step-{step:09d}" / f"rank-{rank:05d}.pt"
-        intact = _digest(path) == _sidecar(path).read_text().strip()
-        if not intact:
-            log.warning("checkpoint %s does not match its digest (damaged after it was written): "
-                        "skipping step %d", path, step)
+        intact = _intact(path, step)
         oks = engine.collective.all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
         if bool((oks > 0).all()):
             break
@@ -142,7 +151,8 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
         problems.append(f"{path}: unknown checkpoint file format {state.get('format')!r}")
     if state.get("world_size") != engine.collective.world_size:
         problems.append(f"{path} was saved by a run of {state.get('world_size')} processes, this one has "
-                        f"{engine.collective.world_size}: resume with the saved run's process count")
+                        f"{engine.collective.world_size}: resume with the saved run's process count, or "
+                        "with load_checkpoint(..., elastic=True)")
     problems += [f"{path}: {p}" for p in engine._load_problems(state.get("engine"))]
     missing = [name for name in (extra or {}) if name not in state.get("extra", {})]
     if missing:
@@ -157,7 +167,75 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     return step
 
 
+def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool) -> int | None:
+    """Every saved rank's file of the newest step complete for all of them, into ``engine``."""
+    rank = engine.collective.rank
+    excluded: set[int] = set()
+    while True:
+        step = _agree(engine, [s for s in _complete_for_all(root) if s not in excluded])
+        if step is None:
+            return None
+        folder = root / f"step-{step:09d}"
+        paths = sorted(folder.glob("rank-*.pt"))
+        intact = all(_intact(p, step) for p in paths)
+        oks = engine.collective.all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
+        if bool((oks > 0).all()):
+            break
+        excluded.add(step)
+    states = [torch.load(p, map_location="cpu", weights_only=False) for p in paths]
+    problems = []
+    worlds = {st.get("world_size") for st in states}
+    if worlds != {len(states)}:
+        problems.append(f"{folder} holds {len(states)} rank files saved by runs of {sorted(worlds)} "
+                        "processes: it mixes runs")
+    own = states[rank] if rank < len(states) else states[0]
+    missing = [name for name in (extra or {}) if name not in own.get("extra", {})]
+    if missing:
+        problems.append(f"{folder} holds no state for {missing}: give load_checkpoint the extra objects that "
+                        "were saved")
+    ConfigError.check(problems)
+    engine.load_elastic([st["engine"] for st in states])
+    for name, obj in (extra or {}).items():
+        obj.load_state_dict(own["extra"][name])
+    if rng:
+        _set_rng_state(own["rng"])
+    return step
+
+
 # --- helpers ------------------------------------------------------------------------------
+
+
+def _sidecar_info(path: Path) -> dict[str, Any]:
+    try:
+        info = json.loads(_sidecar(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _intact(path: Path, step: int) -> bool:
+    ok = _digest(path) == _sidecar_info(path).get("sha256")
+    if not ok:
+        log.warning("checkpoint %s does not match its digest (damaged after it was written): skipping "
+                    "step %d", path, step)
+    return ok
+
+
+def _complete_for_all(root: Path) -> list[int]:
+    """Steps (newest first) whose rank files 0..k-1 are all complete, for some k >= 1."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if not m:
+            continue
+        ranks = sorted(int(p.name[5:10]) for p in d.glob("rank-*.pt") if _sidecar(p).is_file())
+        world = _sidecar_info(d / "rank-00000.pt").get("world_size")
+        if ranks and ranks == list(range(world if isinstance(world, int) else -1)):
+            steps.append(int(m.group(1)))
+    return sorted(steps, reverse=True)
+
 
 
 def _extra_problems(extra: Any) -> list[str]:

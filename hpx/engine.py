@@ -825,26 +825,88 @@ class Engine:
                 "model, and load every rank from the same checkpoint step (hpx.load_checkpoint agrees "
                 "on one)")
 
+    def load_elastic(self, states: Sequence[dict[str, Any]]) -> None:
+        """Resume a run saved with another number of replicas or processes.
+
+        ``states``: the saved run's checkpoints, one per process it had (in rank order; a
+        run of one process has one). What carries over: every knob's base and spread, the
+        search strategy's and the signal's state, the step, the next sync and the history.
+        Every replica here starts from the *consensus* of the saved replicas (the mean of
+        their weights and floating buffers, and of their optimizers' floating state, which
+        are equal in shared mode right after a sync), and the replicas draw new
+        permutations for their number. What cannot carry over: each saved replica's own
+        weights between syncs (resume right after a sync to lose nothing) and the losses
+        recorded since the last sync (the next interval starts empty). Checked before
+        anything changes, as :meth:`load_state_dict`, except the replica count.
+        """
+        states = list(states)
+        problems = []
+        if not states:
+            problems.append("load_elastic needs the saved run's checkpoints (one per process it had)")
+        for i, st in enumerate(states):
+            if not isinstance(st, dict) or not st.get("replicas"):
+                problems.append(f"checkpoint {i} holds no replicas (a scheduler's state): an elastic resume "
+                                "needs the models and optimizers")
+                continue
+            for p in self._load_problems(st, elastic=True):
+                problems.append(f"checkpoint {i}: {p}" if len(states) > 1 else p)
+        if not problems:
+            firsts = [st["first"] for st in states]
+            total = sum(len(st["replicas"]) for st in states)
+            if firsts != sorted(firsts) or total != states[0]["n_replicas"]:
+                problems.append(f"the checkpoints hold {total} replicas starting at {firsts}, but the run "
+                                f"had {states[0]['n_replicas']}: give every process's file, in rank order")
+        ConfigError.check(problems)
+        saved = [rep for st in states for rep in st["replicas"]]
+        model = _mean_states([rep["model"] for rep in saved])
+        opt = saved[0]["optimizer"]
+        opt = {**opt, "state": {i: _mean_states([rep["optimizer"]["state"][i] for rep in saved])
+                                for i in opt["state"]}}
+        for r in self.replicas:
+            r.model.load_state_dict(model)
+            r.optimizer.load_state_dict(opt)
+        first = states[0]
+        self.knobs.load_state_dict(first["knobs"])
+        if first.get("signal") is not None and callable(getattr(self.signal, "load_state_dict", None)):
+            self.signal.load_state_dict(first["signal"])
+        self.search.load_state_dict(first["search"])
+        self.step_count = int(first["step"])
+        self._next_sync = int(first["next_sync"])
+        self._acc.zero_()
+        self._bad.zero_()
+        self._acc_n = [0] * self.n_local
+        self.history = [SyncRecord(**r) for r in first["history"]]
+        self._draw()  # permutations for this many replicas, from the restored stream
+        self._written = [[None] * self.n_local for _ in self.knobs]
+        self._bad_factor = None
+        self._fresh, self._reduced = True, False
+        self._write(force=True)
+        self._agreement_due = self.collective.world_size > 1
+
     def _settings(self) -> dict[str, Any]:
         """The settings a checkpoint records and a resumed engine must share."""
         return {"replicas": self.n_replicas, **{k: getattr(self.config, k) for k in _TRAJECTORY},
                 "search": type(self.search).__name__,
                 "knobs": [[k.name, type(k).__name__, k.kind] for k in self.knobs]}
 
-    def _load_problems(self, state: Any) -> list[str]:
-        """Every reason to refuse ``state``, found without changing anything."""
+    def _load_problems(self, state: Any, elastic: bool = False) -> list[str]:
+        """Every reason to refuse ``state``, found without changing anything (``elastic``: the
+        replica count and layout may differ)."""
         if not isinstance(state, dict):
             return [f"a checkpoint is the dict Engine.state_dict() returns (got {type(state).__name__})"]
         problems = []
         if state.get("format") not in (1, 2):
             problems.append(f"unknown checkpoint format {state.get('format')!r} (expected 1 or 2)")
             return problems
-        if state.get("n_replicas") != self.n_replicas:
+        reps = state.get("replicas", [])
+        if elastic:
+            pass
+        elif state.get("n_replicas") != self.n_replicas:
             problems.append(f"checkpoint has {state.get('n_replicas')} replicas, this engine "
                             f"{self.n_replicas}: build the engine with replicas={state.get('n_replicas')} "
-                            "(per process) as the saved run had")
-        reps = state.get("replicas", [])
-        if state.get("first") != self._first or len(reps) not in (0, self.n_local):
+                            "(per process) as the saved run had, or resume elastically "
+                            "(Engine.load_elastic, hpx.load_checkpoint(..., elastic=True))")
+        elif state.get("first") != self._first or len(reps) not in (0, self.n_local):
             problems.append("checkpoint was saved by a different rank layout: load each rank's own file")
         saved = state.get("settings")
         if saved is not None:
@@ -856,11 +918,12 @@ class Engine:
         names = [k.get("name") for k in state.get("knobs", {}).get("knobs", [])]
         if names != self.knobs.names:
             problems.append(f"checkpoint holds knobs {names} but this run declares {self.knobs.names}")
-        for i, (r, s) in enumerate(zip(self.replicas, reps)):
-            problems += _module_problems(f"replica {self._first + i}'s model", r.model.state_dict(),
-                                         s.get("model", {}))
-            problems += _optimizer_problems(f"replica {self._first + i}'s optimizer",
-                                            r.optimizer.state_dict(), s.get("optimizer", {}))
+        pairs = [(self.replicas[0], s) for s in reps] if elastic else list(zip(self.replicas, reps))
+        for i, (r, s) in enumerate(pairs):
+            who = f"saved replica {state.get('first', 0) + i}" if elastic else f"replica {self._first + i}"
+            problems += _module_problems(f"{who}'s model", r.model.state_dict(), s.get("model", {}))
+            problems += _optimizer_problems(f"{who}'s optimizer", r.optimizer.state_dict(),
+                                            s.get("optimizer", {}))
         return problems
 
     def __repr__(self) -> str:
@@ -946,6 +1009,20 @@ _TRAJECTORY = ("sync_every", "mode", "average", "average_optimizer_state", "cont
 def _short(v: Any, n: int = 120) -> str:
     text = repr(v)
     return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _mean_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """Entry by entry: the mean of floating tensors (in float64, cast back), else the first's."""
+    out = {}
+    for k, v in states[0].items():
+        if torch.is_tensor(v) and v.is_floating_point():
+            acc = torch.zeros_like(v, dtype=torch.float64)
+            for st in states:
+                acc += st[k].to(torch.float64)
+            out[k] = (acc / len(states)).to(v.dtype)
+        else:
+            out[k] = v
+    return out
 
 
 def _module_problems(what: str, current: dict[str, Any], saved: Any, show: int = 4) -> list[str]:

@@ -155,3 +155,48 @@ def test_bad_arguments_name_the_value(tmp_path, call, needle):
         call(tmp_path, engine)
     assert needle in str(err.value)
     assert not tmp_path.exists() or not any(tmp_path.iterdir())  # nothing written
+
+
+# --- elastic resume ------------------------------------------------------------------------
+
+
+def _engine_n(n: int) -> hpx.Engine:
+    return hpx.Engine(_model(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                      [hpx.LearningRate(spread=0.5)], replicas=n, sync_every=T)
+
+
+@pytest.mark.parametrize("m", [2, 8])
+def test_elastic_resume_with_another_replica_count(tmp_path, m):
+    src, counter = _engine_n(4), Counter()
+    _train(src, counter, 10, save_to=tmp_path)  # saved at step 10, mid-interval (sync at 12)
+    saved = torch.load(tmp_path / "step-000000010" / "rank-00000.pt", weights_only=False)["engine"]
+    dst = _engine_n(m)
+    with pytest.raises(hpx.ConfigError, match=r"checkpoint has 4 replicas, this engine 2|this engine 8"):
+        hpx.load_checkpoint(tmp_path, dst)  # not asked for: refused, naming the way out
+    assert hpx.load_checkpoint(tmp_path, dst, elastic=True) == 10
+    assert dst.step_count == 10 and dst.next_sync == src.next_sync == 12
+    assert dst.bases == src.bases and [r.bases for r in dst.history] == [r.bases for r in src.history]
+    # every replica starts from the mean of the saved ones (weights and momentum)
+    for name in dict(dst.replicas[0].model.named_parameters()):
+        mean = torch.stack([rep["model"][name] for rep in saved["replicas"]]).mean(0)
+        for r in dst.replicas:
+            torch.testing.assert_close(dict(r.model.named_parameters())[name].detach(), mean)
+    buf = torch.stack([rep["optimizer"]["state"][0]["momentum_buffer"] for rep in saved["replicas"]]).mean(0)
+    for r in dst.replicas:
+        first = next(iter(r.model.parameters()))
+        torch.testing.assert_close(r.optimizer.state[first]["momentum_buffer"], buf)
+    assert len(dst.values("lr")) == m and len(set(dst.values("lr"))) == m  # m distinct values
+    _train(dst, counter, 16)  # and it trains on, through the next syncs
+    assert [r.step for r in dst.history][-2:] == [12, 16]
+    assert all(len(r.values["lr"]) == m for r in dst.history[-2:])
+
+
+def test_elastic_refuses_another_model(tmp_path):
+    src, counter = _engine_n(4), Counter()
+    _train(src, counter, 5, save_to=tmp_path)
+    other = hpx.Engine(nn.Sequential(nn.Linear(64, 10)), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                       [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=T)
+    before = [p.detach().clone() for p in other.replicas[0].model.parameters()]
+    with pytest.raises(hpx.ConfigError, match="another architecture"):
+        hpx.load_checkpoint(tmp_path, other, elastic=True)
+    assert all(torch.equal(a, b) for a, b in zip(before, other.replicas[0].model.parameters()))

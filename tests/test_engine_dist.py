@@ -189,10 +189,11 @@ def _checkpoint_resume(backend: hpx.Collective, ddp: bool = False) -> dict:
     same = all(torch.equal(a, b) for a, b in zip(_state(full.model).values(), _state(resumed.model).values()))
     diff = max(float((a - b).abs().max()) for a, b in zip(_state(full.model).values(),
                                                           _state(resumed.model).values()))
-    out = {"step": step, "same": same, "diff": diff,
-           "history_same": [asdict(r) for r in full.history] == [asdict(r) for r in resumed.history]}
+    out = {"step": step, "same": same, "diff": diff, "root": root,
+           "history_same": [asdict(r) for r in full.history] == [asdict(r) for r in resumed.history],
+           "bases_at_10": next(r.bases for r in first.history if r.step == 10)}
     dist.barrier()
-    if rank == 0:
+    if rank == 0 and ddp:  # the other run's directory is resumed elastically by a test in process
         shutil.rmtree(root, ignore_errors=True)
     return out
 
@@ -619,6 +620,30 @@ def test_ranks_built_or_resumed_differently_fail_at_once_naming_why(ranks):
         assert "knobs: rank(s) [2] differ from rank 0" in d["knobs"]
         assert "mode: rank(s) [3] differ" in d["mode"] and "building the engine" in d["mode"]
         assert "step: rank 0 has 3, rank 1 has 1" in d["step"] and "resuming" in d["step"]
+
+
+def test_a_run_of_4_processes_resumes_elastically_in_one(ranks):
+    """The 4-rank run's checkpoints (rank 1 lost its newest) resume in one process with 3
+    replicas: the step all ranks saved, its bases, and the mean of the 4 ranks' weights."""
+    import shutil
+
+    root = Path(ranks[0]["checkpoint"]["root"])
+    try:
+        torch.manual_seed(0)
+        engine = hpx.Engine(_Net(), _optimizer, _knobs(0.3), replicas=3, sync_every=T, seed=0)
+        assert hpx.load_checkpoint(root, engine, elastic=True) == 10
+        assert engine.bases == ranks[0]["checkpoint"]["bases_at_10"]
+        saved = [torch.load(root / "step-000000010" / f"rank-{r:05d}.pt", weights_only=False)
+                 for r in range(WORLD)]
+        w = torch.stack([s["engine"]["replicas"][0]["model"]["head.weight"] for s in saved]).mean(0)
+        for rep in engine.replicas:
+            torch.testing.assert_close(rep.model.head.weight.detach(), w)
+        x, y = _batches(1)[0]
+        for _ in range(T):
+            engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+        assert engine.history[-1].step == 20 and len(engine.history[-1].values["lr/body"]) == 3
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.parametrize("scenario", ["accumulate", "accumulate_ddp"])
