@@ -1,7 +1,8 @@
 """The ``hpx`` command: look at a saved run.
 
-``hpx report HISTORY.json [--plot OUT.png]`` prints the knob trajectories of a
-history saved with :func:`hpx.save_history` and optionally plots them.
+``hpx report HISTORY [--plot OUT.png]`` prints the knob trajectories of a history
+saved with :func:`hpx.save_history` (or an engine's ``history_file``) and optionally
+plots them. It does not import torch. ``hpx --version`` prints the version.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from hpx.history import format_history, load_history, plot_history
+from hpx import __version__
+from hpx.history import format_history, load_history
 
 __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hpx", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"hpx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("report", help="print (and plot) the knob trajectories of a saved history")
-    rep.add_argument("history", help="JSON written by hpx.save_history")
+    rep.add_argument("history", help="a history written by hpx.save_history, or a history_file")
     rep.add_argument("--plot", metavar="PNG", help="also write a plot to this file")
     rep.add_argument("--every", type=int, default=1, help="print every N-th sync (default 1)")
     args = parser.parse_args(argv)
@@ -30,6 +33,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(format_history(history, every=max(1, args.every)))
     if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("hpx: --plot needs matplotlib: pip install matplotlib (or the hpx-hdet[plot] extra)",
+                  file=sys.stderr)
+            return 2
+        from hpx.history import plot_history
+
         print(f"plot written to {plot_history(history, args.plot)}")
     return 0
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from hpx.engine import SyncRecord
+from hpx.sync_record import SyncRecord
 
 __all__ = ["format_history", "load_history", "plot_history", "save_history"]
 
@@ -80,7 +80,7 @@ def format_history(history: Sequence[SyncRecord], every: int = 1) -> str:
 def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | None = None) -> Path:
     """Plot each knob's base and the replicas' values per sync, and the scores, to a PNG.
 
-    Needs matplotlib (``pip install hpx[plot]``).
+    Needs matplotlib (``pip install 'hpx-hdet[plot]'``).
     """
     try:
         import matplotlib
@@ -88,7 +88,8 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ImportError("plot_history needs matplotlib: pip install 'hpx[plot]'") from exc
+        raise ImportError("plot_history needs matplotlib: pip install 'hpx-hdet[plot]' (or pip install "
+                          "matplotlib)") from exc
     if not history:
         raise ValueError("history is empty: nothing to plot (did the run reach a sync?)")
     names = list(history[0].bases)

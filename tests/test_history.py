@@ -63,6 +63,28 @@ def test_report_command(history, tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
+def test_report_needs_no_torch_and_says_when_matplotlib_is_missing(history, tmp_path):
+    path = hpx.save_history(history, tmp_path / "h.json")
+    probe = ("import sys; from hpx.cli import main; code = main(['report', sys.argv[1]]); "
+             "print('torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(code)")
+    out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.strip().endswith("no torch") and "lr" in out
+    no_mpl = ("import sys; sys.modules['matplotlib'] = None; from hpx.cli import main; "
+              "sys.exit(main(['report', sys.argv[1], '--plot', sys.argv[2]]))")
+    run = subprocess.run([sys.executable, "-c", no_mpl, str(path), str(tmp_path / "p.png")],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip() == ("hpx: --plot needs matplotlib: pip install matplotlib "
+                                  "(or the hpx-hdet[plot] extra)")
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"hpx {hpx.__version__}"
+
+
 def test_demo_raises_a_low_lr(tmp_path):
     """The README's demo, shortened: it runs, the lr rises from its low start, and it reports
     hpx's and plain training's test metrics."""

@@ -1,0 +1,40 @@
+"""One sync's record (a torch-free module: ``hpx report`` reads histories without torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SyncRecord"]
+
+
+@dataclass
+class SyncRecord:
+    """What happened at one sync (one entry of :attr:`Engine.history`).
+
+    Attributes:
+        step: optimizer steps taken when the sync ran.
+        bases: every knob's base after the sync.
+        values: every knob's values on the ``N`` replicas during the interval
+            that ended (before any schedule factor).
+        scores: each replica's score (lower is better); ``nan`` where non-finite. The
+            signal's scores when the search read them; otherwise (a warm-up, a hold) the
+            replicas' mean training loss over the interval, which costs nothing.
+        nonfinite: global indices of replicas left out and reset.
+        weights: the controller's ``w_r``, or ``None`` if it did not run.
+        direction: the controller's ``D_k`` per knob, or ``None``.
+        sigma: the temperature used, or ``None``.
+        phase: the search strategy's phase (e.g. ``"bracket"``, ``"hold"``), or ``None``.
+        spreads: every knob's spread during the interval that ended (``alpha``;
+            ``log(span)`` for a geometric spread).
+    """
+
+    step: int
+    bases: dict[str, float]
+    values: dict[str, list[float]]
+    scores: list[float]
+    nonfinite: list[int] = field(default_factory=list)
+    weights: list[float] | None = None
+    direction: dict[str, float] | None = None
+    sigma: float | None = None
+    phase: str | None = None
+    spreads: dict[str, float] | None = None
