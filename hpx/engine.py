@@ -216,6 +216,17 @@ class Engine:
             reps.append(Replica(self._first + i, m, opt))
         return reps
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The setters are closures over this engine's replicas: a copy (deepcopy, pickle) binds
+        # its own, so that it drives its own optimizers and never the original's.
+        state = self.__dict__.copy()
+        state["_setters"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._setters = [[k.bind(r) for r in self.replicas] for k in self.knobs]
+
     def _bind_knobs(self) -> None:
         problems: list[str] = []
         self._setters: list[list[Callable[[float], None] | None]] = []
@@ -482,9 +493,11 @@ class Engine:
         interval = torch.where(counts > 0, self._acc / counts.clamp_min(1), math.nan)
         if isinstance(self.signal, IntervalLoss) and 0 in self._acc_n and self._controls_now():
             raise ConfigError(
-                [f"no loss recorded for local replica {self._acc_n.index(0)} since the last sync: use "
-                 "Engine.step, or call Engine.record(loss) every step (or pass the loss to the "
-                 "scheduler's step(loss))"]
+                [f"no loss recorded for local replica {self._acc_n.index(0)} since the last sync, and "
+                 "replicas are compared on their training loss: use Engine.step, or call "
+                 "Engine.record(loss) every step (or pass the loss to the scheduler's step(loss)); "
+                 "where a framework calls scheduler.step() with no loss, compare replicas on held-out "
+                 "data instead: signal=hpx.ProbeStream(val_batches, loss_fn=...)"]
             )
         if self._controls_now():
             ctx = SyncContext(self.replicas, interval, batch, loss_fn, self.collective, self.step_count)

@@ -795,3 +795,63 @@ def test_dist_explore_keeps_the_schedulers_shape(ranks) -> None:
 
 def test_dist_zero_spread_with_the_engine_is_torchs_onecycle(ranks) -> None:
     assert all(r["d_same"] for r in ranks)
+
+
+# --- the LRScheduler contract where frameworks rely on it ----------------------------------------
+
+
+def _sgd(lr: float = 0.1) -> torch.optim.Optimizer:
+    torch.manual_seed(0)
+    return torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=lr, momentum=0.9)
+
+
+def test_explore_lr_wraps_a_chained_scheduler() -> None:
+    ref_opt, opt = _sgd(), _sgd()
+    ref = tls.ChainedScheduler([tls.StepLR(ref_opt, 3, 0.5), tls.ExponentialLR(ref_opt, 0.9)])
+    sched = ExploreLR(tls.ChainedScheduler([tls.StepLR(opt, 3, 0.5), tls.ExponentialLR(opt, 0.9)]))
+    for _ in range(8):
+        ref_opt.step(), ref.step()
+        opt.step(), sched.step()
+        assert sched.get_last_lr() == ref.get_last_lr()
+    assert sched.last_epoch == 8
+
+
+@pytest.mark.parametrize("make", [lambda o: OneCycleLR(o, max_lr=0.1, total_steps=20),
+                                  lambda o: ExploreLR(tls.StepLR(o, 3, 0.5))], ids=["onecycle", "explore"])
+def test_a_copy_or_an_unpickled_scheduler_drives_its_own_optimizer(make) -> None:
+    import copy
+    import pickle
+
+    opt = _sgd()
+    sched = make(opt)
+    before = [dict(g) for g in opt.param_groups]
+    for twin in (copy.deepcopy(sched), pickle.loads(pickle.dumps(sched))):
+        for _ in range(4):
+            twin.optimizer.step()
+            twin.step()
+        assert twin.optimizer is not opt and twin.last_epoch == 4
+        assert twin.optimizer.param_groups[0]["lr"] == twin.get_last_lr()[0]
+    assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in before]  # the original never moved
+    assert [g["momentum"] for g in opt.param_groups] == [g["momentum"] for g in before]
+
+
+def test_a_torch_onecycle_checkpoint_switches_to_hpx_mid_run() -> None:
+    torch_opt, ref_opt = _sgd(), _sgd()
+    torch_sched, ref = (tls.OneCycleLR(o, max_lr=0.1, total_steps=20) for o in (torch_opt, ref_opt))
+    for _ in range(7):
+        torch_opt.step(), torch_sched.step()
+        ref_opt.step(), ref.step()
+    opt = _sgd()
+    sched = OneCycleLR(opt, max_lr=0.1, total_steps=20)
+    sched.load_state_dict(torch_sched.state_dict())  # a running job's checkpoint, taken over
+    assert sched.last_epoch == 7 and sched.get_last_lr() == ref.get_last_lr()
+    for _ in range(13):
+        opt.step(), sched.step()
+        ref_opt.step(), ref.step()
+        assert sched.get_last_lr() == ref.get_last_lr()
+        assert opt.param_groups[0]["momentum"] == ref_opt.param_groups[0]["momentum"]
+    other = OneCycleLR(_sgd(), max_lr=0.1, total_steps=30)
+    with pytest.raises(ConfigError, match="total_steps=20, this scheduler 30"):
+        other.load_state_dict(torch_sched.state_dict())
+    with pytest.raises(ConfigError, match="has no hpx state"):
+        ExploreLR(tls.StepLR(_sgd(), 3)).load_state_dict(tls.StepLR(_sgd(), 3).state_dict())

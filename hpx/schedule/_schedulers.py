@@ -43,12 +43,20 @@ class _Solo:
 
     def __init__(self, optimizer: torch.optim.Optimizer, knobs: Knobs, config: EngineConfig, start: int):
         self.knobs, self.config = knobs, config
-        rep = Replica(0, torch.nn.Module(), optimizer)
+        self._rep = rep = Replica(0, torch.nn.Module(), optimizer)
         for k in knobs:
             k.resolve_base(rep)
         self._pairs = [(k, k.bind(rep)) for k in knobs]
         self.step_count = start
         self.write()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the setters are closures over this optimizer: a copy binds its own (see Engine)
+        return {**self.__dict__, "_pairs": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pairs = [(k, k.bind(self._rep)) for k in self.knobs]
 
     def write(self) -> None:
         t = self.step_count
@@ -243,6 +251,9 @@ class _Scheduler(LRScheduler):
         Loading writes the restored step's values into the optimizer: load the optimizer's state
         first, then the scheduler's.
         """
+        if "hpx" not in state_dict:  # a torch scheduler's state: switch a running job over
+            self._adopt(state_dict)
+            return
         saved = state_dict.get("hdet", {})
         problems = [f"checkpoint was saved with {k}={saved.get(k)!r}, this scheduler has {k}={v!r}"
                     for k, v in self._hdet.items() if k != "spread" and saved.get(k) != v]
@@ -253,6 +264,20 @@ class _Scheduler(LRScheduler):
         self._step_count = int(state_dict["_step_count"])
         self.base_lrs = list(state_dict["base_lrs"])
         self._last_lr = list(state_dict["_last_lr"])
+
+    def _adopt(self, state: dict[str, Any]) -> None:
+        raise ConfigError([f"this state_dict has no hpx state (keys: {sorted(state)}): it was not saved by "
+                           f"an hpx {type(self).__name__}"])
+
+    def _continue_at(self, step: int, state: dict[str, Any]) -> None:
+        """Continue a torch-scheduled run at ``step``: hpx's state starts there, bases at 1."""
+        own = dict(self._driver.state_dict())
+        own.pop("next_sync", None)  # recomputed from the step, on the sync grid
+        own["step"] = step
+        self._driver.load_state_dict(own)
+        self.last_epoch = step
+        self._step_count = int(state.get("_step_count", step + 1))
+        self._last_lr = _lrs(self.optimizer)
 
     # --- what subclasses provide ------------------------------------------------------------
 
@@ -414,6 +439,17 @@ class OneCycleLR(_Scheduler):
             },
         }
 
+    def _adopt(self, state: dict[str, Any]) -> None:
+        """Take a state_dict of torch's ``OneCycleLR``: the run continues at its step, on this
+        scheduler's schedule (which must have the same length), exploring from there."""
+        if "total_steps" not in state or "last_epoch" not in state:
+            super()._adopt(state)
+        if state["total_steps"] != self.total_steps:
+            raise ConfigError([f"the torch OneCycleLR state has total_steps={state['total_steps']}, this "
+                               f"scheduler {self.total_steps}: build it with the same schedule arguments"])
+        self.plan.check_step(int(state["last_epoch"]))
+        self._continue_at(int(state["last_epoch"]), state)
+
     def _load_own_state(self, state: dict[str, Any]) -> None:
         sch = dict(state["schedule"])
         sch["max_lrs"] = tuple(sch["max_lrs"])
@@ -486,7 +522,7 @@ class ExploreLR(_Scheduler):
         self._shadow = _Shadow(scheduler)
         self.base_lrs = list(getattr(scheduler, "base_lrs", None)  # SequentialLR has none
                              or [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups])
-        self.last_epoch = scheduler.last_epoch
+        self.last_epoch = _epoch(scheduler)
         self._hdet = {"rule": "hpx", "sync_every": sync_every, "warmup": warmup, "spread": _tuple(spread)}
         knobs = _shadow_knobs(self._shadow, spread, _labels(self.optimizer))
         self._start(self.optimizer, knobs, config, model=model, backend=backend, signal=signal,
@@ -502,7 +538,7 @@ class ExploreLR(_Scheduler):
         self._shadow.advance_to(self._driver.step_count + 1)
 
     def _after_step(self) -> None:
-        self.last_epoch = self._shadow.scheduler.last_epoch
+        self.last_epoch = _epoch(self._shadow.scheduler)
 
     def _own_state(self) -> dict[str, Any]:
         return {"scheduler": self._shadow.state_dict()}
@@ -513,6 +549,15 @@ class ExploreLR(_Scheduler):
 
 # ------------------------------------------------------------------------------------------
 # Helpers
+
+
+def _epoch(scheduler: Any) -> int:
+    """A scheduler's ``last_epoch``; a ChainedScheduler has none of its own: its first child's."""
+    epoch = getattr(scheduler, "last_epoch", None)
+    if epoch is None:
+        children = getattr(scheduler, "_schedulers", None) or ()
+        return _epoch(children[0]) if children else 0
+    return int(epoch)
 
 
 def _resolve(

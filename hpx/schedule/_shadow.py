@@ -38,6 +38,10 @@ class _ShadowOptimizer(torch.optim.Optimizer):
         # What LRScheduler.step checks to warn about calling order: this optimizer is "stepped".
         self._opt_called = True
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        self._opt_called = True  # torch's Optimizer pickles without it
+
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         return None
 
