@@ -47,6 +47,7 @@ _LAZY = {
     "Signal": "hpx.signals",
     "SyncContext": "hpx.signals",
     "SyncRecord": "hpx.sync_record",
+    "TensorBoard": "hpx.tensorboard",
     "WeightDecay": "hpx.knobs",
     "autolr": "hpx.recipe",
     "explore_knobs": "hpx.schedule",
@@ -92,6 +93,7 @@ __all__ = [
     "Signal",
     "SyncContext",
     "SyncRecord",
+    "TensorBoard",
     "WeightDecay",
     "__version__",
     "autolr",
@@ -148,3 +150,4 @@ if TYPE_CHECKING:  # what static tools see: the same names, imported eagerly
     from hpx.replica import Replica
     from hpx.schedule import ExploreLR, OneCycleLR, OneCyclePlan, explore_knobs
     from hpx.signals import IntervalLoss, ProbeStream, SharedBatch, Signal, SyncContext
+    from hpx.tensorboard import TensorBoard

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -66,6 +67,9 @@ class Engine:
         search: the search strategy (:mod:`hpx.search`). ``None``: an
             :class:`~hpx.search.HDET` built from the config's controller settings
             (``warmup``, ``decay``, ``meta_lr``, ``momentum``, ...).
+        on_sync: a function (or a list of them) called with each :class:`~hpx.SyncRecord`
+            right after its sync, on every rank: live logging, e.g.
+            ``on_sync=hpx.TensorBoard("runs/exp1")``.
         config: an :class:`~hpx.EngineConfig`, or give its fields as keywords.
             ``controller=False`` switches the auto-update off; ``controller=obj``
             replaces hpx's :class:`~hpx.Controller` by any object with its
@@ -94,8 +98,16 @@ class Engine:
         signal: Signal | None = None,
         search: Search | None = None,
         config: EngineConfig | None = None,
+        on_sync: Callable[[SyncRecord], Any] | Sequence[Callable[[SyncRecord], Any]] = (),
         **settings: Any,
     ) -> None:
+        self._t0 = time.perf_counter()
+        callbacks = list(on_sync) if isinstance(on_sync, Sequence) else [on_sync]
+        if not all(callable(c) for c in callbacks):
+            raise ConfigError([f"on_sync must be a function record -> None, or a list of them "
+                               f"(got {on_sync!r})"])
+        self._on_sync = callbacks
+        self._metrics: dict[str, Any] = {}
         custom = settings.pop("controller", None)
         if isinstance(custom, bool) or custom is None:
             if custom is not None:
@@ -252,6 +264,7 @@ class Engine:
                         "(replicas=%s per process, %d process(es)); use replicas >= 2, or more processes",
                         self.n_local, self.collective.world_size)
         self._scheduled = [i for i, k in enumerate(self.knobs) if k.scheduled]
+        self._scales = [1.0] * len(self.knobs)  # each knob's schedule factor at its last write
         self._written: list[list[float | None]] = [[None] * self.n_local for _ in self.knobs]
 
     # --- values ----------------------------------------------------------------------
@@ -278,6 +291,7 @@ class Engine:
         for i in which:
             k = knobs[i]
             scale = k.scale(self.step_count)
+            self._scales[i] = scale
             if not 0.0 <= scale < math.inf and self._bad_factor is None:  # also catches NaN
                 # raised when a step would train with it: torch's own OneCycleLR (linear) goes
                 # below 0 at total_steps, after the last step, and hpx writes what torch writes
@@ -432,6 +446,13 @@ class Engine:
             return list(batches), batches[0]
         return _split(batch, self.n_local), batch
 
+    def log(self, metrics: dict[str, Any]) -> None:
+        """Attach metrics to the next sync record (:attr:`SyncRecord.metrics`): numbers or
+        one-element tensors, kept as they are (no host read) until the sync reads them."""
+        if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
+            raise ConfigError([f"log takes a dict of name -> number (got {metrics!r})"])
+        self._metrics.update({k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()})
+
     def record(self, loss: torch.Tensor, replica: int = 0) -> None:
         """Add a local replica's loss to its interval mean (stays on device).
 
@@ -560,7 +581,12 @@ class Engine:
         rec = SyncRecord(
             step=self.step_count, bases={}, values={n: self._values[i].tolist() for i, n in enumerate(names)},
             scores=scores.tolist(), nonfinite=bad, spreads={k.name: k.spread for k in self.knobs},
+            applied={k.name: [v * self._scales[i] for v in self._values[i].tolist()]  # the last step's
+                     for i, k in enumerate(self.knobs)},
+            wall=time.perf_counter() - self._t0,
+            metrics={k: float(v) for k, v in self._metrics.items()} or None,  # read here, at the sync
         )
+        self._metrics = {}
         decision = self.search.decide(self._view(self._values, scores))
         self._converge(self._merge_weights(decision, finite), average=cfg.average)
         self._apply(decision)
@@ -572,6 +598,8 @@ class Engine:
         if log.isEnabledFor(logging.INFO):
             log.info("sync at step %d: %s", self.step_count,
                      ", ".join(f"{n}={b:.4g}" for n, b in rec.bases.items()))
+        for callback in self._on_sync:
+            callback(rec)
 
         self._acc.zero_()
         self._bad.zero_()

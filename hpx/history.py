@@ -77,6 +77,11 @@ def format_history(history: Sequence[SyncRecord], every: int = 1) -> str:
     return "\n".join(lines)
 
 
+def _log_scale(values: list[float]) -> bool:
+    """A log axis when every value is positive and they span more than a factor of 3."""
+    return bool(values) and min(values) > 0 and max(values) > 3 * min(values)
+
+
 def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | None = None) -> Path:
     """Plot each knob's base and the replicas' values per sync, and the scores, to a PNG.
 
@@ -100,17 +105,20 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
         n = len(history[0].values[name])
         for s in range(n):
             ax.plot(steps, [r.values[name][s] for r in history], ".", ms=2, color="0.6")
-        ax.plot(steps, [r.bases[name] for r in history], "-", color="C0", lw=2, label="base")
+        bases = [r.bases[name] for r in history]
+        ax.plot(steps, bases, "-", color="C0", lw=2, label="base")
         ax.set_ylabel(name)
-        if all(r.bases[name] > 0 for r in history) and max(r.bases[name] for r in history) > 3 * min(
-            r.bases[name] for r in history
-        ):
+        shown = bases + [v for r in history for v in r.values[name]]
+        if _log_scale(shown):  # never when a replica sits at 0: it would vanish from a log axis
             ax.set_yscale("log")
     ax = axes[-1]
-    ax.plot(steps, [min((s for s in r.scores if not math.isnan(s)), default=math.nan) for r in history],
-            label="best replica")
-    ax.plot(steps, [sum(s for s in r.scores if not math.isnan(s)) / max(1, sum(not math.isnan(s) for s in
-            r.scores)) for r in history], label="mean")
+    best = [min((s for s in r.scores if not math.isnan(s)), default=math.nan) for r in history]
+    mean = [math.fsum(f) / len(f) if (f := [s for s in r.scores if not math.isnan(s)]) else math.nan
+            for r in history]
+    ax.plot(steps, best, label="best replica")
+    ax.plot(steps, mean, label="mean")
+    if _log_scale([v for v in best + mean if not math.isnan(v)]):  # early scores dwarf the late ones
+        ax.set_yscale("log")
     ax.set_ylabel("score")
     ax.set_xlabel("step")
     ax.legend(fontsize=8)

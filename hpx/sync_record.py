@@ -26,6 +26,12 @@ class SyncRecord:
         phase: the search strategy's phase (e.g. ``"bracket"``, ``"hold"``), or ``None``.
         spreads: every knob's spread during the interval that ended (``alpha``;
             ``log(span)`` for a geometric spread).
+        applied: every knob's value as applied on each replica at the interval's last
+            step (``values`` times the knob's schedule factor: the learning rate the
+            optimizer used, not its correction factor).
+        wall: seconds since the engine was built.
+        metrics: what was passed to :meth:`Engine.log <hpx.Engine.log>` since the last
+            sync (the latest value of each name).
     """
 
     step: int
@@ -38,3 +44,6 @@ class SyncRecord:
     sigma: float | None = None
     phase: str | None = None
     spreads: dict[str, float] | None = None
+    applied: dict[str, list[float]] | None = None
+    wall: float | None = None
+    metrics: dict[str, float] | None = None

@@ -190,7 +190,8 @@ def _checkpoint_resume(backend: hpx.Collective, ddp: bool = False) -> dict:
     diff = max(float((a - b).abs().max()) for a, b in zip(_state(full.model).values(),
                                                           _state(resumed.model).values()))
     out = {"step": step, "same": same, "diff": diff, "root": root,
-           "history_same": [asdict(r) for r in full.history] == [asdict(r) for r in resumed.history],
+           "history_same": [{**asdict(r), "wall": None} for r in full.history]
+           == [{**asdict(r), "wall": None} for r in resumed.history],  # all but the clock
            "bases_at_10": next(r.bases for r in first.history if r.step == 10)}
     dist.barrier()
     if rank == 0 and ddp:  # the other run's directory is resumed elastically by a test in process

@@ -1,0 +1,69 @@
+"""Live knob trajectories in TensorBoard: ``hpx.Engine(..., on_sync=hpx.TensorBoard("runs/exp"))``."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from hpx.errors import ConfigError
+from hpx.sync_record import SyncRecord
+
+__all__ = ["TensorBoard"]
+
+
+class TensorBoard:
+    """Write every sync record to TensorBoard (an ``on_sync`` callback of :class:`~hpx.Engine`).
+
+    Scalars, at the sync's step: ``hpx/base/<knob>`` (the base ``b``), ``hpx/applied/<knob>``
+    (the value the optimizer used, mean over the replicas, with ``.../min`` and ``.../max``),
+    ``hpx/score/best`` and ``hpx/score/mean`` (finite replicas), ``hpx/nonfinite`` (replicas
+    left out) and ``metrics/<name>`` for what was given to :meth:`Engine.log <hpx.Engine.log>`.
+
+    Args:
+        writer: a ``torch.utils.tensorboard.SummaryWriter``, or a directory to create one
+            in (needs the ``tensorboard`` package: ``pip install tensorboard``).
+        rank0_only: under torch.distributed, write on rank 0 only (every rank holds the
+            same records).
+    """
+
+    def __init__(self, writer: Any, *, rank0_only: bool = True) -> None:
+        if isinstance(writer, (str, os.PathLike)):
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise ConfigError([f"hpx.TensorBoard({str(writer)!r}) needs the tensorboard package: "
+                                   "pip install tensorboard (or pass a SummaryWriter)"]) from exc
+            writer = SummaryWriter(str(writer))
+        elif not callable(getattr(writer, "add_scalar", None)):
+            raise ConfigError([f"TensorBoard takes a directory or a SummaryWriter (got {writer!r})"])
+        self.writer = writer
+        self.rank0_only = rank0_only
+
+    def __call__(self, rec: SyncRecord) -> None:
+        if self.rank0_only and _rank() != 0:
+            return
+        w, t = self.writer, rec.step
+        for name, b in rec.bases.items():
+            w.add_scalar(f"hpx/base/{name}", b, t)
+        for name, vals in (rec.applied or {}).items():
+            w.add_scalar(f"hpx/applied/{name}", sum(vals) / len(vals), t)
+            w.add_scalar(f"hpx/applied/{name}/min", min(vals), t)
+            w.add_scalar(f"hpx/applied/{name}/max", max(vals), t)
+        finite = [s for s in rec.scores if math.isfinite(s)]
+        if finite:
+            w.add_scalar("hpx/score/best", min(finite), t)
+            w.add_scalar("hpx/score/mean", sum(finite) / len(finite), t)
+        w.add_scalar("hpx/nonfinite", len(rec.nonfinite), t)
+        for name, v in (rec.metrics or {}).items():
+            w.add_scalar(f"metrics/{name}", v, t)
+        w.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
