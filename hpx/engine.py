@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -180,6 +181,8 @@ class Engine:
         self._fresh, self._reduced = True, False  # no backward yet in this step; mean not applied
         self._last: tuple[Any, LossFn | None] = (None, None)  # (batch, loss_fn) signals score on
         self.history: list[SyncRecord] = []
+        if cfg.history_file is not None and self.collective.rank == 0:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.history_file)), exist_ok=True)
         self._agreement_due = False  # after a load: check that the ranks resumed alike
         self._next_sync = cfg.sync_every
         empty = torch.empty(0, dtype=torch.float64)

@@ -85,7 +85,8 @@ def autolr(
         backend: the :class:`~hpx.backends.Collective` (default: in process).
         span: the search's width: replicas from ``b / span`` to ``b * span``.
         **settings: other :class:`~hpx.EngineConfig` settings (``seed``, ``mode``,
-            ``bucket_cap_mb``, ``check_consistency``, ``warm_init``).
+            ``history_file``, ``history_limit``, ``bucket_cap_mb``, ``check_consistency``,
+            ``warm_init``) and ``on_sync`` (see :class:`~hpx.Engine`).
     """
     problems = []
     if not isinstance(total_steps, Integral) or isinstance(total_steps, bool) or total_steps < 1:
