@@ -607,9 +607,9 @@ T = 100, `IntervalLoss`, the task's knobs with a schedule) against 4 plain model
 on the same chunks (zero_grad, forward, backward, step, lr written), in alternating blocks of
 {block} steps ({blocks} blocks each, measured side by side in one process).
 The engine is measured as it is (nothing patched). Its extra work per step: the
-shared-gradient mean over the replicas' flat gradient buffers (in one process with every loss
-finite, hpx's CPU fast path: the plain mean), the schedule's values written, the loss
-accumulated on device; per sync: averaging, the controller and new permutations. Target: at most 5%.
+shared-gradient mean of the replicas' gradients (in one CPU process: foreach ops on autograd's
+own gradients; elsewhere flat buckets), the schedule's values written, the loss accumulated
+on device; per sync: averaging, the controller and new permutations. Target: at most 5%.
 
 {overhead_md(ov)}
 

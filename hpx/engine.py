@@ -170,10 +170,14 @@ class Engine:
             self._check_agreement(settle=False)
             # Every rank starts from rank 0's bases and permutation stream, whatever seed it was given.
             self.knobs.load_state_dict(self.collective.broadcast_object(self.knobs.state_dict(), 0))
-        self._grads = _GradBuckets(self.replicas) if (
-            cfg.mode == "shared" and (local > 1 or (world > 1 and not self._ddp))
-        ) else None
         dev = next((p.device for p in self.replicas[0].model.parameters()), torch.device("cpu"))
+        shared = cfg.mode == "shared" and (local > 1 or (world > 1 and not self._ddp))
+        # One process on the CPU: autograd's own gradients and a foreach mean (reading which
+        # losses are finite costs nothing there). Elsewhere: flat buckets, a masked reduction
+        # on the device and one collective per bucket.
+        self._grads: _GradBuckets | _ForeachMean | None = (
+            None if not shared else _ForeachMean(self.replicas) if world == 1 and dev.type == "cpu"
+            else _GradBuckets(self.replicas))
         self._acc = torch.zeros(local, device=dev)  # per local replica: sum of the interval's finite losses
         self._bad = torch.zeros(local, device=dev)  # ... and how many of its losses were non-finite
         self._acc_n = [0] * local  # ... and how many losses were recorded (host-side count)
@@ -942,6 +946,50 @@ class Engine:
         return (f"Engine(replicas={self.n_replicas} ({self.n_local} local), step={self.step_count}, "
                 f"{self.knobs!r}, search={self.search!r}, signal={self.signal!r}, "
                 f"backend={self.collective!r})")
+
+
+class _ForeachMean:
+    """The shared-gradient mean of local replicas in one CPU process, on autograd's own
+    gradients: no flat buffer to zero and accumulate into every step (that memset and the
+    read-modify-write cost about 10% of a step at 2.4M parameters)."""
+
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        self.params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
+        self._mean: list[torch.Tensor] | None = None  # reused from step to step
+
+    def zero_(self) -> None:
+        for ps in self.params:
+            for p in ps:
+                p.grad = None
+
+    def adopt_(self) -> None:  # gradients are wherever autograd (or the user) put them
+        return None
+
+    @torch.no_grad()
+    def average_(self, losses: torch.Tensor, collective: Collective) -> None:
+        ok = [math.isfinite(v) for v in losses.tolist()]  # host tensors: reading them is free
+        if not any(ok):
+            for ps in self.params:  # no replica to take a gradient from: a zero step, as DDP's mask
+                for p in ps:
+                    p.grad = torch.zeros_like(p)
+            return
+        n = len(self.params[0])
+        grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in ps] for ps in self.params]
+        good = [g for g, f in zip(grads, ok) if f]
+        if self._mean is None or any(m.shape != g.shape or m.dtype != g.dtype
+                                     for m, g in zip(self._mean, good[0])) or len(self._mean) != n:
+            self._mean = [torch.empty_like(g) for g in good[0]]
+        mean = self._mean
+        torch._foreach_copy_(mean, good[0])
+        for g in good[1:]:
+            torch._foreach_add_(mean, g)
+        if len(good) > 1:
+            torch._foreach_mul_(mean, 1.0 / len(good))
+        for ps, gs in zip(self.params, grads):
+            for p, g in zip(ps, gs):
+                if p.grad is None:
+                    p.grad = g
+            torch._foreach_copy_([p.grad for p in ps], mean)
 
 
 class _GradBuckets:

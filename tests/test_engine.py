@@ -229,20 +229,35 @@ def test_independent_mode_diverges_shared_mode_shares_gradients(digits):
     assert all(not torch.allclose(g[0], h) for h in g[1:])
 
 
-def test_gradients_live_in_flat_buckets(digits):
-    engine = hpx.Engine(mlp(), sgd(0.1), [], replicas=3)
-    bufs = engine._grads.buffers
+def test_flat_buckets_and_the_foreach_mean_agree(digits):
+    """One CPU process averages autograd's own gradients with foreach ops; elsewhere (several
+    processes, a GPU) gradients live in flat buckets. Both give the same run; the buckets'
+    gradients stay views of the buffer, even after a zero_grad(set_to_none=True)."""
+    from hpx.engine import _ForeachMean, _GradBuckets
+
+    fast = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.3)], replicas=3, sync_every=2)
+    flat = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.3)], replicas=3, sync_every=2)
+    assert isinstance(fast._grads, _ForeachMean)
+    flat._grads = _GradBuckets(flat.replicas)
+    bufs = flat._grads.buffers
     assert len(bufs) == 1 and bufs[0].shape[0] == 3
-    for b in batches(digits, 2):
-        engine.step(ce, b)
+    for i, b in enumerate(batches(digits, 5)):
+        if i == 3:  # a user who zeroes grads to None breaks neither
+            for e in (fast, flat):
+                e.replicas[1].optimizer.zero_grad(set_to_none=True)
+        fast.step(ce, b)
+        flat.step(ce, b)
     lo, hi = bufs[0].data_ptr(), bufs[0].data_ptr() + bufs[0].numel() * bufs[0].element_size()
-    for r in engine.replicas:
-        for p in r.model.parameters():
-            assert lo <= p.grad.data_ptr() < hi
-    # a user who zeroes grads to None does not break it
-    engine.replicas[1].optimizer.zero_grad(set_to_none=True)
-    engine.step(ce, next(batches(digits, 1, seed=5)))
-    assert all(lo <= p.grad.data_ptr() < hi for p in engine.replicas[1].model.parameters())
+    for r in flat.replicas:
+        assert all(lo <= p.grad.data_ptr() < hi for p in r.model.parameters())
+    for a, b in zip(fast.replicas, flat.replicas):
+        torch.testing.assert_close(params(a.model), params(b.model), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.cat([p.grad.reshape(-1) for p in a.model.parameters()]),
+                                   torch.cat([p.grad.reshape(-1) for p in b.model.parameters()]))
+    g0 = [p.grad for p in fast.replicas[0].model.parameters()]
+    for r in fast.replicas[1:]:  # every replica holds the mean, in its own tensors
+        for p, g in zip(r.model.parameters(), g0):
+            assert torch.equal(p.grad, g) and p.grad.data_ptr() != g.data_ptr()
 
 
 # --- faults ----------------------------------------------------------------------------
