@@ -55,6 +55,16 @@ def _side_by_side(a: Callable[[], None], b: Callable[[], None], rounds: int,
     return statistics.median(ta), statistics.median(tb)
 
 
+def _average_(lists: list[list[torch.Tensor]]) -> None:
+    """Every list's tensors <- the mean over the lists, with foreach ops (what a user would write)."""
+    mean = torch._foreach_add(lists[0], lists[1])
+    for ts in lists[2:]:
+        torch._foreach_add_(mean, ts)
+    torch._foreach_div_(mean, len(lists))
+    for ts in lists:
+        torch._foreach_copy_(ts, mean)
+
+
 def measure(n: int, rounds: int, reps: int) -> dict[str, float]:
     import hpx
 
@@ -75,24 +85,13 @@ def measure(n: int, rounds: int, reps: int) -> dict[str, float]:
             o.zero_grad(set_to_none=True)
         for m, xx, yy in zip(models, xs, ys):
             F.cross_entropy(m(xx), yy).backward()
-        grads = [[p.grad for p in ps] for ps in params]
-        mean = torch._foreach_add(grads[0], grads[1])
-        for gr in grads[2:]:
-            torch._foreach_add_(mean, gr)
-        torch._foreach_div_(mean, n)
-        for gr in grads:
-            torch._foreach_copy_(gr, mean)
+        _average_([[p.grad for p in ps] for ps in params])
         for o in opts:
             o.step()
 
     @torch.no_grad()
     def hand_sync() -> None:
-        mean = torch._foreach_add(states[0], states[1])
-        for st in states[2:]:
-            torch._foreach_add_(mean, st)
-        torch._foreach_div_(mean, n)
-        for st in states:
-            torch._foreach_copy_(st, mean)
+        _average_(states)
 
     step_hpx, step_hand = _side_by_side(lambda: engine.step(loss_fn, (x, y)), hand_step, rounds, reps)
     sync_hpx, sync_hand = _side_by_side(engine.converge, hand_sync, rounds, reps)

@@ -41,7 +41,7 @@ from hpx.registry import Knobs
 from hpx.replica import Replica
 from hpx.search.base import Decision, Search, SyncView
 from hpx.search.hdet import HDET
-from hpx.signals import IntervalLoss, LossFn, Signal, SyncContext
+from hpx.signals import IntervalLoss, LossFn, Signal, SyncContext, _leaves
 from hpx.sync_record import SyncRecord
 
 __all__ = ["Engine", "OptimizerFactory", "SyncRecord"]
@@ -1147,17 +1147,6 @@ def _split_problems(batch: Any, n: int) -> list[str]:
         return [f"a batch of size {size} cannot be split among {n} replicas: give at least one example "
                 "per replica"]
     return []
-
-
-def _leaves(x: Any, where: str):
-    if torch.is_tensor(x):
-        yield where, x
-    elif isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            yield from _leaves(v, f"{where}[{i}]")
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield from _leaves(v, f"{where}[{k!r}]")
 
 
 def _cut(batch: Any, n: int) -> list[Any]:

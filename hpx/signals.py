@@ -171,13 +171,19 @@ def _nonfinite_problems(batch: Any, what: str) -> list[str]:
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t for _, t in _leaves(x, "")]
+
+
+def _leaves(x: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested batch (tuples, lists, dicts), with where it sits."""
     if torch.is_tensor(x):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _tensors(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _tensors(v)]
-    return []
+        yield where, x
+    elif isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _leaves(v, f"{where}[{i}]")
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _leaves(v, f"{where}[{k!r}]")
 
 
 class ProbeStream:
