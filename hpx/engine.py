@@ -189,9 +189,13 @@ class Engine:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.history_file)), exist_ok=True)
         self._agreement_due = False  # after a load: check that the ranks resumed alike
         self._next_sync = cfg.sync_every
+        # A strategy that scores replicas placed along the run's displacement (Decision.placement)
+        # needs the parameters the run started from: the anchor, taken below once they are set.
+        self._placement: torch.Tensor | None = None
+        self._anchor: list[torch.Tensor] | None = None
         empty = torch.empty(0, dtype=torch.float64)
         self._apply(self.search.start(self._view(torch.empty(0, self.n_replicas, dtype=torch.float64),
-                                                 empty)))
+                                                 empty)), starting=True)
         self._draw()
         self._write(force=True)
 
@@ -203,6 +207,8 @@ class Engine:
         for s in states[1:]:
             with torch.no_grad():
                 torch._foreach_copy_(s, states[0])
+        if self._placement is not None:  # rank 0's start, before any warm noise: equal on every rank
+            self._anchor = [p.detach().clone() for p in self.replicas[0].model.parameters()]
         if cfg.warm_init:
             for r in self.replicas:
                 _warm_noise_(r.model, cfg.warm_init, derive_seed(cfg.seed, 0x7761726D, r.index))
@@ -561,6 +567,8 @@ class Engine:
 
     def _sync(self, batch: Any, loss_fn: LossFn | None) -> None:
         cfg = self.config
+        if self._placement is not None and self._controls_now():
+            self._place(self._placement)
         scores, health, bad_steps = self._gather_scores(batch, loss_fn)
         sound = torch.isfinite(health)  # finite weights and buffers
         if not sound.any():
@@ -619,6 +627,21 @@ class Engine:
             self.collective.check_same(
                 state, f"knob bases and permutations after the sync at step {self.step_count}")
 
+    @torch.no_grad()
+    def _place(self, rho: torch.Tensor) -> None:
+        """Average the replicas, then set replica ``r``'s parameters to ``anchor + rho_r *
+        (consensus - anchor)`` (buffers stay at the consensus) for the signal to score."""
+        health = self.collective.all_gather(self._health()).to("cpu", torch.float64).reshape(-1)
+        sound = torch.isfinite(health)
+        if not sound.any():
+            return  # the sync that follows raises NonFiniteError
+        self._converge(sound.to(torch.float64), average=True)
+        assert self._anchor is not None
+        for i, rep in enumerate(self.replicas):
+            r = float(rho[self._first + i])
+            if r != 1.0:  # p <- anchor + r (p - anchor) = lerp(p, anchor, 1 - r)
+                torch._foreach_lerp_([p for p in rep.model.parameters()], self._anchor, 1.0 - r)
+
     def _keep(self, rec: SyncRecord) -> None:
         """Append ``rec`` to the history (the newest ``history_limit`` stay in memory) and to
         the history file."""
@@ -665,9 +688,22 @@ class Engine:
                 w = finite.to(torch.float64)
         return w
 
-    def _apply(self, decision: Decision) -> None:
-        """Write a decision's bases, spreads and next sync into the knobs and the schedule."""
+    def _apply(self, decision: Decision, starting: bool = False) -> None:
+        """Write a decision's bases, spreads, placement and next sync into the knobs and the
+        schedule."""
         knobs = list(self.knobs)
+        placement = decision.placement
+        if placement is not None:
+            rho = torch.as_tensor(placement, dtype=torch.float64).reshape(-1)
+            if rho.numel() != self.n_replicas or not torch.isfinite(rho).all() or (rho <= 0).any():
+                raise ValueError(f"the search's placement must be {self.n_replicas} finite numbers > 0 "
+                                 f"(got {rho.tolist()})")
+            if not starting and self._anchor is None:
+                raise ValueError("the search asked for a placement, but its start decision (or a later "
+                                 "one) did not: the engine no longer holds the run's starting parameters")
+            placement = rho
+        elif not starting:
+            self._anchor = None  # no strategy asks again: free the copy
         if decision.bases is not None:
             for k, b in zip(knobs, torch.as_tensor(decision.bases, dtype=torch.float64).tolist()):
                 if k.explore:
@@ -683,6 +719,7 @@ class Engine:
         if not (isinstance(nxt, int) and not isinstance(nxt, bool) and nxt >= 1):
             raise ValueError(f"the search's next_sync must be an integer >= 1 (got {nxt!r})")
         self._next_sync = self.step_count + nxt
+        self._placement = placement
 
     def converge(self) -> torch.nn.Module:
         """Average every replica's weights now, leaving out non-finite ones, and
@@ -747,6 +784,8 @@ class Engine:
             "bad": self._bad.detach().cpu().clone(),
             "acc_n": list(self._acc_n),
             "history": [asdict(r) for r in self.history],
+            "placement": None if self._placement is None else self._placement.clone(),
+            "anchor": None if self._anchor is None else [a.detach().cpu().clone() for a in self._anchor],
             "replicas": [{"model": r.model.state_dict(), "optimizer": r.optimizer.state_dict()}
                          for r in self.replicas],
         }
@@ -787,6 +826,7 @@ class Engine:
 
             _truncate_file(path, self.step_count)  # the resumed run redoes what came after
         self._slots = state["slots"].clone()
+        self._load_anchor(state)
         rows = [k.values(self._slots[i]) for i, k in enumerate(self.knobs)]
         self._values = torch.stack(rows) if rows else torch.empty(0, self.n_replicas, dtype=torch.float64)
         self._local_values = self._values[:, self._first : self._first + self.n_local].tolist()
@@ -794,6 +834,13 @@ class Engine:
         self._bad_factor = None
         self._write(force=True)
         self._agreement_due = self.collective.world_size > 1
+
+    def _load_anchor(self, state: dict[str, Any]) -> None:
+        """The placement and the run's starting parameters, as saved (absent: none)."""
+        placement, anchor = state.get("placement"), state.get("anchor")
+        self._placement = None if placement is None else torch.as_tensor(placement, dtype=torch.float64)
+        self._anchor = None if anchor is None else [
+            a.to(p.device, p.dtype).clone() for a, p in zip(anchor, self.replicas[0].model.parameters())]
 
     def _check_agreement(self, *, settle: bool) -> None:
         """Raise :class:`ConsistencyError` on every rank if the ranks were built or resumed
@@ -892,6 +939,9 @@ class Engine:
         self._bad.zero_()
         self._acc_n = [0] * self.n_local
         self.history = [SyncRecord(**r) for r in first["history"]]
+        # The saved placement was for the saved replica count: the next sync scores the (identical)
+        # replicas where they are, and the strategy's next decision places the new count.
+        self._load_anchor({**first, "placement": None})
         self._draw()  # permutations for this many replicas, from the restored stream
         self._written = [[None] * self.n_local for _ in self.knobs]
         self._bad_factor = None
@@ -934,6 +984,20 @@ class Engine:
         names = [k.get("name") for k in state.get("knobs", {}).get("knobs", [])]
         if names != self.knobs.names:
             problems.append(f"checkpoint holds knobs {names} but this run declares {self.knobs.names}")
+        anchor = state.get("anchor")
+        if anchor is not None:
+            shapes = [tuple(p.shape) for p in self.replicas[0].model.parameters()]
+            if (not isinstance(anchor, (list, tuple)) or len(anchor) != len(shapes)
+                    or [tuple(getattr(a, "shape", ())) for a in anchor] != shapes):
+                problems.append(f"checkpoint's starting parameters (the anchor of the search's placement) "
+                                f"do not match this model's {len(shapes)} parameters: it was saved by "
+                                "another model")
+        placement = state.get("placement")
+        if placement is not None and anchor is None:
+            problems.append("checkpoint has a placement but no anchor: it is damaged")
+        elif placement is not None and not elastic and len(placement) != self.n_replicas:
+            problems.append(f"checkpoint's placement has {len(placement)} multipliers for "
+                            f"{self.n_replicas} replicas")
         pairs = [(self.replicas[0], s) for s in reps] if elastic else list(zip(self.replicas, reps))
         for i, (r, s) in enumerate(pairs):
             who = f"saved replica {state.get('first', 0) + i}" if elastic else f"replica {self._first + i}"

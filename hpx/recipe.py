@@ -5,18 +5,19 @@ Nothing has to be tuned:
 
 * one :class:`~hpx.LearningRateScale` knob, a factor on every parameter group's learning rate
   (base 1: the lr the optimizer was built with, times your schedule);
-* the :class:`~hpx.search.Bracket` strategy: for the first 80 steps the replicas spread
-  geometrically from half to twice the base and sync every 10 steps; the base moves toward the
-  better side (at the first two syncs only down) until the best value is bracketed; then the
-  spread is dropped and the run continues as plain data-parallel training at the value found;
-* replicas compared on held-out batches you give (``probe``), or else on the sync step's own
-  batch before they train on it (:class:`~hpx.SharedBatch`): a paired comparison.
+* the :class:`~hpx.search.Stretch` strategy: every replica trains at the base value; at 40 syncs
+  in the first 40% of the run the replicas are scored at the run's whole displacement (from the
+  parameters it started from) shrunk and stretched by ``1/span .. span``, and the base moves to
+  the best-scoring scale (in the first 10% of the run only down); then the run continues as
+  plain data-parallel training at the value found;
+* replicas scored on held-out batches you give (``probe``), or else on the sync step's own
+  batch before they train on it (:class:`~hpx.SharedBatch`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from numbers import Integral
 from typing import Any, Union
 
@@ -29,12 +30,14 @@ from hpx.errors import ConfigError
 from hpx.knobs.base import Knob
 from hpx.knobs.optim import LearningRateScale
 from hpx.registry import Knobs
-from hpx.search.bracket import Bracket
+from hpx.search.stretch import Stretch
 from hpx.signals import LossFn, ProbeStream, SharedBatch
 
 __all__ = ["autolr"]
 
 # Settings that belong to the HDET controller; autolr's strategy has its own.
+_PROBE_BATCHES = 4  # held-out batches scored per sync, at most
+
 _CONTROLLER_SETTINGS = ("controller", "warmup", "meta_lr", "momentum", "debias_momentum", "temperature",
                         "temperature_scale", "space", "decay", "sync_every")
 
@@ -50,13 +53,13 @@ def autolr(
     knobs: Sequence[Knob] = (),
     replicas: int | None = None,
     backend: Collective | None = None,
-    span: float = 2.0,
+    span: float = 1.5,
     **settings: Any,
 ) -> Engine:
     """An :class:`~hpx.Engine` that finds the learning rate while it trains.
 
     Build the optimizer with the learning rate you would have used; the replicas search around
-    it early in the run and the rest of the run trains at the value found::
+    it in the first 40% of the run and the rest of the run trains at the value found::
 
         engine = hpx.autolr(model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4),
                             total_steps=10_000, schedule=warmup_cosine, probe=val_batches)
@@ -75,15 +78,16 @@ def autolr(
             (stepped once on a copy and divided by its peak; every group must follow the same
             shape; its peak learning rates are the ones explored around). ``None``: constant.
             Build ``optimizer`` with the *peak* learning rates.
-        probe: held-out batches to compare replicas on (cycled; a list of a few batches of a
-            validation split is enough). ``None``: each sync step's training batch, scored
+        probe: held-out batches to score replicas on (cycled, up to 4 per sync; a list of a few
+            batches of a validation split is enough). ``None``: each sync step's training batch, scored
             before the replicas train on it.
         loss_fn: ``loss_fn(replica, batch)`` for scoring; default: the loss given to
             :meth:`Engine.step <hpx.Engine.step>`. Give one without regularisers.
         knobs: more knobs to spread (they do not move unless given a spread).
         replicas: replicas per process (default 4 in one process, 1 per rank).
         backend: the :class:`~hpx.backends.Collective` (default: in process).
-        span: the search's width: replicas from ``b / span`` to ``b * span``.
+        span: the search's width: replicas scored from ``1/span`` to ``span`` times the run's
+            displacement; one sync moves the learning rate by at most ``span``.
         **settings: other :class:`~hpx.EngineConfig` settings (``seed``, ``mode``,
             ``history_file``, ``history_limit``, ``bucket_cap_mb``, ``check_consistency``,
             ``warm_init``) and ``on_sync`` (see :class:`~hpx.Engine`).
@@ -106,8 +110,12 @@ def autolr(
     lrs = None
     if isinstance(schedule, LRScheduler):
         schedule, lrs = _shape_of(schedule, int(total_steps))
-    search = Bracket(int(total_steps), span=span)
-    signal = ProbeStream(probe, loss_fn=loss_fn) if probe is not None else SharedBatch(loss_fn=loss_fn)
+    search = Stretch(int(total_steps), span=span)
+    if probe is not None:  # a few held-out batches per sync (the whole probe when it is that small)
+        n = min(len(probe), _PROBE_BATCHES) if isinstance(probe, Sized) and len(probe) else 1
+        signal: Any = ProbeStream(probe, loss_fn=loss_fn, batches=n)
+    else:
+        signal = SharedBatch(loss_fn=loss_fn)
     registry = Knobs(LearningRateScale("lr", schedule=schedule, lrs=lrs), *knobs)
     return Engine(model, optimizer, registry, backend=backend, signal=signal, search=search,
                   replicas=replicas, **settings)

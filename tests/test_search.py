@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hpx
-from hpx.search import HDET, Bracket, Decision, SyncView, worst_filled
+from hpx.search import HDET, Bracket, Decision, Stretch, SyncView, worst_filled
 from tests._digits import ce, data, mlp
 
 # --- views --------------------------------------------------------------------------------
@@ -43,6 +43,7 @@ STRATEGIES = {
     "hdet": lambda: HDET(),
     "hdet-paper": lambda: HDET(hpx.Controller(space="linear", temperature=0.1, debias=False)),
     "bracket": lambda: Bracket(1000, burn_in=0),
+    "stretch": lambda: Stretch(1000, burn_in=0.0),
 }
 
 
@@ -266,7 +267,8 @@ def test_engine_writes_geometric_values_and_drops_them_in_hold(digits):
     assert engine.values("lr") == [0.1] * 4  # burn-in never moved it; hold has no spread
 
 
-def test_engine_resumes_a_bracket_run_exactly(digits):
+def test_engine_resumes_an_autolr_run_exactly(digits):
+    # mid-window: the run's starting parameters (the placement's anchor) are in the checkpoint
     batches = data(digits, 40, seed=3)
     make = lambda: hpx.autolr(mlp(1), lambda m: torch.optim.SGD(m.parameters(), lr=0.02),  # noqa: E731
                               total_steps=40, probe=data(digits, 1, seed=9), replicas=4)
@@ -334,3 +336,132 @@ def test_bracket_moves_additive_knobs_in_their_own_units_and_keeps_a_share_of_th
                       bases=(0.3,), step=10))
     assert d.bases.item() == pytest.approx(0.2)          # 0.3 - alpha, in the knob's units
     assert d.info["phase"] == "bracketed" and d.spreads.tolist() == [pytest.approx(0.05)]
+
+
+# --- Stretch ------------------------------------------------------------------------------------
+
+
+def test_stretch_trains_at_the_base_and_places_replicas_geometrically():
+    s = Stretch(1000, span=1.5)
+    d = s.start(start_view())
+    assert d.spreads.tolist() == [0.0] and d.next_sync == s.every == 10  # 400 steps, 40 syncs
+    assert d.placement.tolist() == pytest.approx([1.5 ** u for u in (-1, -1 / 3, 1 / 3, 1)])
+
+
+@pytest.mark.parametrize("better", ["shrunk", "stretched"])
+def test_stretch_moves_by_the_fitted_scale_and_lands_on_the_shrunk_point_only(better):
+    s = Stretch(1000, span=1.5, burn_in=0.0)
+    rho = s.start(start_view()).placement
+    z = rho.log()
+    target = -0.2 if better == "shrunk" else 0.25  # scores: a parabola in log rho, minimum at target
+    d = s.decide(view((z - target).pow(2).tolist(), bases=(2.0,)))
+    assert d.bases.item() == pytest.approx(2.0 * math.exp(target), rel=0.01)
+    landed = float((d.merge * rho).sum())  # where the consensus goes on the line
+    assert d.merge.sum().item() == pytest.approx(1.0) and (d.merge >= 0).all()
+    assert landed == pytest.approx(math.exp(target) if better == "shrunk" else 1.0, rel=0.01)
+    assert torch.equal(d.placement, rho)
+
+
+def test_stretch_burn_in_takes_only_shrinks():
+    s = Stretch(1000, burn_in=0.1)  # the first 100 steps
+    s.start(start_view())
+    up = s.decide(view([4.0, 3.0, 2.0, 1.0], step=50))
+    down = s.decide(view([1.0, 2.0, 3.0, 4.0], step=60))
+    assert up.bases.item() == 1.0 and down.bases.item() < 1.0
+    after = s.decide(view([4.0, 3.0, 2.0, 1.0], step=101, bases=tuple(down.bases.tolist())))
+    assert after.bases.item() > down.bases.item()
+
+
+def test_stretch_holds_after_its_window_and_frees_the_placement():
+    s = Stretch(100, until=0.2, syncs=2, hold_syncs=4)  # window: steps 1..20, syncs at 10 and 20
+    s.start(start_view())
+    d1 = s.decide(view([1.0, 2.0, 3.0, 4.0], step=10))
+    assert d1.placement is not None and d1.next_sync == 10 and s.acts_at(20)
+    d2 = s.decide(view([1.0, 2.0, 3.0, 4.0], step=20))
+    assert d2.placement is None and d2.next_sync == 20 and not s.acts_at(21)
+    d3 = s.decide(view([1.0, 2.0, 3.0, 4.0], step=40))
+    assert d3.bases is None and d3.info["phase"] == "hold"
+
+
+def test_stretch_searches_the_named_multiplicative_knob_only():
+    s = Stretch(1000, burn_in=0.0, knob="k1")
+    v = view([4.0, 3.0, 2.0, 1.0], bases=(0.5, 1.0), spreads=(0.1, LOG2), kinds=("add", "mul"),
+             spacing=("linear", "log"), explore=(True, True))
+    d0 = s.start(v)
+    assert d0.spreads.tolist() == [0.1, 0.0]  # the other knob keeps its spread
+    d = s.decide(v)
+    assert d.bases[0].item() == 0.5 and d.bases[1].item() > 1.0
+    with pytest.raises(hpx.ConfigError, match="'k0' is additive"):
+        Stretch(1000, knob="k0").start(v)
+    with pytest.raises(hpx.ConfigError, match="needs a multiplicative knob"):
+        Stretch(1000).start(view([1.0, 2.0], kinds=("add",), spacing=("linear",), spreads=(0.1,)))
+
+
+def test_stretch_settings_are_checked_together():
+    with pytest.raises(hpx.ConfigError) as e:
+        Stretch(0, until=1.5, syncs=0, span=1.0, burn_in=1.0, hold_syncs=0, knob=3)
+    msg = str(e.value)
+    for part in ("total_steps", "until", "syncs", "span", "burn_in", "hold_syncs", "knob"):
+        assert part in msg
+
+
+class _Spy:
+    """A probe signal that keeps each replica's parameters as they were scored."""
+
+    def __init__(self, batch):
+        self.batch, self.seen = batch, []
+
+    def measure(self, ctx):
+        self.seen.append([torch.cat([p.detach().reshape(-1) for p in r.model.parameters()]).clone()
+                          for r in ctx.replicas])
+        return torch.stack([ce(r, self.batch).detach() for r in ctx.replicas])
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def test_engine_scores_replicas_on_the_runs_displacement_and_lands_where_the_search_says(digits):
+    model = mlp(2)
+    anchor = _flat(model)
+    spy = _Spy(data(digits, 1, seed=9, size=256)[0])
+    search = Stretch(100, until=0.1, syncs=2, burn_in=0.0)  # syncs at steps 5 and 10
+    engine = hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                        [hpx.LearningRateScale("lr")], replicas=4, signal=spy, search=search)
+    assert engine.values("lr") == [1.0] * 4  # no spread while training
+    rho = search._rho(4)
+    for b in data(digits, 5):
+        engine.step(ce, b)
+    seen = spy.seen[-1]
+    unit = [(p - anchor) / r for p, r in zip(seen, rho.tolist())]  # the consensus's displacement
+    for u in unit[1:]:
+        torch.testing.assert_close(u, unit[0], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(seen[0], seen[-1])
+    landed = math.exp(min(search.moves[-1], 0.0))
+    for r in engine.replicas:
+        torch.testing.assert_close(_flat(r.model), anchor + landed * unit[0], rtol=1e-5, atol=1e-6)
+    assert engine.bases["lr"] == pytest.approx(math.exp(search.moves[-1]))
+    assert engine.state_dict()["anchor"] is not None
+    for b in data(digits, 5, seed=4):
+        engine.step(ce, b)
+    assert engine.state_dict()["anchor"] is None  # the window is over: the copy is freed
+    assert len(spy.seen) == 2
+
+
+def test_engine_refuses_a_placement_without_an_anchor_and_a_foreign_anchor(digits):
+    class Late(Scripted):
+        def decide(self, v):
+            return Decision(placement=torch.ones(2), next_sync=1)
+
+    engine = hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        [hpx.LearningRate(spread=0.5)], replicas=2, search=Late([1]))
+    with pytest.raises(ValueError, match="no longer holds the run's starting parameters"):
+        engine.step(ce, data(digits, 1)[0])
+    auto = hpx.autolr(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), total_steps=50,
+                      probe=data(digits, 1), replicas=2)
+    state = auto.state_dict()
+    state["anchor"] = state["anchor"][:-1]
+    before = _flat(auto.replicas[0].model)
+    with pytest.raises(hpx.ConfigError, match="starting parameters"):
+        auto.load_state_dict(state)
+    assert torch.equal(_flat(auto.replicas[0].model), before)

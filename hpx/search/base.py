@@ -79,6 +79,15 @@ class Decision:
             every replica is set to (a replica with weight 0 is left out and reset
             from the others); ``None``: equal weights over finite replicas.
             Non-finite replicas always get weight 0.
+        placement: ``[N]`` positive multipliers ``rho_r``: at the next sync, before the
+            replicas are scored, the engine averages them and sets replica ``r``'s
+            parameters to ``anchor + rho_r * (consensus - anchor)``, where the anchor is
+            the parameters the run started from (buffers stay at the consensus). The
+            scores then compare the run's whole displacement stretched or shrunk, and
+            ``merge`` weights pick a point on that line (``sum_r w_r rho_r``). Only a
+            strategy whose :meth:`Search.start` decision asks for a placement may ask for
+            one later (the engine keeps the anchor, one copy of the parameters, from the
+            start on); the first decision without one frees the anchor for good.
         info: diagnostics for the history (``weights``, ``direction``, ``sigma``,
             ``phase``, ...).
     """
@@ -88,6 +97,7 @@ class Decision:
     spacing: tuple[str, ...] | None = None
     next_sync: int | None = None
     merge: torch.Tensor | None = None
+    placement: torch.Tensor | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
 
