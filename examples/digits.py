@@ -2,8 +2,8 @@
 
 The recommended setup, ``hpx.autolr``: build the optimizer with the learning rate you
 would have used (here 10x below a good one), give the schedule and a few held-out
-batches, and train. For the first 80 steps the replicas spread from half to twice the
-base and the base moves toward the better side until the best value is bracketed;
+batches, and train. In the first 40% of the run the replicas are scored at the run's
+displacement shrunk and stretched, and the base moves to the scale that scores best;
 the rest of the run is plain data-parallel training at that value. For comparison the
 script also trains the same model plainly at the starting learning rate.
 

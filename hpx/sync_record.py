@@ -23,7 +23,7 @@ class SyncRecord:
         weights: the controller's ``w_r``, or ``None`` if it did not run.
         direction: the controller's ``D_k`` per knob, or ``None``.
         sigma: the temperature used, or ``None``.
-        phase: the search strategy's phase (e.g. ``"bracket"``, ``"hold"``), or ``None``.
+        phase: the search strategy's phase (e.g. ``"stretch"``, ``"hold"``), or ``None``.
         spreads: every knob's spread during the interval that ended (``alpha``;
             ``log(span)`` for a geometric spread).
         applied: every knob's value as applied on each replica at the interval's last
