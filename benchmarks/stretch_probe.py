@@ -31,7 +31,7 @@ from benchmarks.suite import oracle
 from benchmarks.tasks import get_task
 
 ROOT = Path(__file__).resolve().parent.parent
-TASKS = ("mlp", "charlm", "cnn", "gru")
+TASKS = ("mlp", "charlm", "cnn", "gru", "tabular")
 MULTS = (0.1, 0.3, 1.0, 3.0, 10.0)
 RHOS = (0.8, 0.9, 1.0, 1.1, 1.25)
 POINTS = 20

@@ -427,6 +427,45 @@ class _GRULM(nn.Module):
         return self.head(h)
 
 
+# ----------------------------------------------------------------------------- small tabular
+
+
+@cache
+def _cancer() -> dict[str, Any]:
+    """Breast cancer (Wisconsin): 369 train, 100 probe, 100 validation rows (a fixed shuffle),
+    features standardised with the training rows' statistics."""
+    from sklearn.datasets import load_breast_cancer
+
+    x, y = load_breast_cancer(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32)
+    y = torch.tensor(y, dtype=torch.long)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
+    x, y = x[perm], y[perm]
+    tr, pr = 369, 469
+    mean, std = x[:tr].mean(0), x[:tr].std(0).clamp_min(1e-6)
+    x = (x - mean) / std
+    return {"train": (x[:tr], y[:tr]), "probe": [(x[tr:pr], y[tr:pr])], "val": [(x[pr:], y[pr:])]}
+
+
+class TabularMLP(DigitsMLP):
+    """A small tabular problem trained for many epochs: where a fast start overfits by the end."""
+
+    WD = 1e-2
+
+    def data(self):
+        return _cancer()
+
+    def model(self, seed):
+        return _init(nn.Sequential(nn.Linear(30, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                   nn.Linear(64, 2)), seed)
+
+    def optimizer(self, model):
+        return torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=self.WD)
+
+    def chance_loss(self):
+        return math.log(2)
+
+
 TASKS: dict[str, Callable[..., Task]] = {
     "mlp": lambda **kw: DigitsMLP(**{"name": "mlp", "title": "digits MLP 64-128-10 (SGD)", "steps": 600,
                                      "batch": 64, "sync_every": 20, "grid_center": 0.3, **kw}),
@@ -440,6 +479,10 @@ TASKS: dict[str, Callable[..., Task]] = {
     "gru": lambda **kw: CharGRU(**{"name": "gru", "title": "char GRU (d 32, hidden 96, ctx 32), pydoc, Adam",
                                    "steps": 1000, "batch": 16, "sync_every": 25, "grid_center": 1e-2,
                                    **kw}),
+    "tabular": lambda **kw: TabularMLP(**{"name": "tabular",
+                                          "title": "breast-cancer MLP 30-64-64-2 (369 rows), AdamW",
+                                          "steps": 1800, "batch": 32, "sync_every": 20, "grid_center": 1e-3,
+                                          **kw}),
 }
 
 

@@ -8,8 +8,9 @@ Nothing has to be tuned:
 * the :class:`~hpx.search.Stretch` strategy: every replica trains at the base value; at 40 syncs
   in the first 40% of the run the replicas are scored at the run's whole displacement (from the
   parameters it started from) shrunk and stretched by ``1/span .. span``, and the base moves to
-  the best-scoring scale (in the first 10% of the run only down); then the run continues as
-  plain data-parallel training at the value found;
+  the best-scoring scale (in the first 10% of the run only down); until 90% of the run the
+  syncs go on and act only on shrinks (a learning rate that became too high, or overfitting);
+  then the run continues as plain data-parallel training at the value found;
 * replicas scored on held-out batches you give (``probe``), or else on the sync step's own
   batch before they train on it (:class:`~hpx.SharedBatch`).
 """

@@ -373,7 +373,7 @@ def test_stretch_burn_in_takes_only_shrinks():
 
 
 def test_stretch_holds_after_its_window_and_frees_the_placement():
-    s = Stretch(100, until=0.2, syncs=2, hold_syncs=4)  # window: steps 1..20, syncs at 10 and 20
+    s = Stretch(100, until=0.2, syncs=2, guard_until=0.2, hold_syncs=4)  # syncs at 10 and 20
     s.start(start_view())
     d1 = s.decide(view([1.0, 2.0, 3.0, 4.0], step=10))
     assert d1.placement is not None and d1.next_sync == 10 and s.acts_at(20)
@@ -381,6 +381,21 @@ def test_stretch_holds_after_its_window_and_frees_the_placement():
     assert d2.placement is None and d2.next_sync == 20 and not s.acts_at(21)
     d3 = s.decide(view([1.0, 2.0, 3.0, 4.0], step=40))
     assert d3.bases is None and d3.info["phase"] == "hold"
+
+
+def test_stretch_guard_takes_only_shrinks_after_the_window_until_its_end():
+    s = Stretch(100, until=0.2, syncs=2, burn_in=0.0, guard_until=0.5, hold_syncs=5)
+    s.start(start_view())
+    d = s.decide(view([4.0, 3.0, 2.0, 1.0], step=10))
+    assert d.bases.item() > 1.0 and d.info["phase"] == "stretch"
+    b = tuple(d.bases.tolist())
+    up = s.decide(view([4.0, 3.0, 2.0, 1.0], step=30, bases=b))
+    assert up.bases.item() == b[0] and up.info["phase"] == "guard" and up.placement is not None
+    down = s.decide(view([1.0, 2.0, 3.0, 4.0], step=40, bases=b))
+    assert down.bases.item() < b[0]
+    assert float((down.merge * down.placement).sum()) < 1.0  # the consensus lands on the shrunk point
+    last = s.decide(view([1.0, 2.0, 3.0, 4.0], step=50, bases=b))
+    assert last.placement is None and not s.acts_at(51) and last.next_sync == 10
 
 
 def test_stretch_searches_the_named_multiplicative_knob_only():
@@ -399,9 +414,9 @@ def test_stretch_searches_the_named_multiplicative_knob_only():
 
 def test_stretch_settings_are_checked_together():
     with pytest.raises(hpx.ConfigError) as e:
-        Stretch(0, until=1.5, syncs=0, span=1.0, burn_in=1.0, hold_syncs=0, knob=3)
+        Stretch(0, until=1.5, syncs=0, span=1.0, burn_in=1.0, guard_until=2.0, hold_syncs=0, knob=3)
     msg = str(e.value)
-    for part in ("total_steps", "until", "syncs", "span", "burn_in", "hold_syncs", "knob"):
+    for part in ("total_steps", "until", "syncs", "span", "burn_in", "guard_until", "hold_syncs", "knob"):
         assert part in msg
 
 
@@ -425,7 +440,7 @@ def test_engine_scores_replicas_on_the_runs_displacement_and_lands_where_the_sea
     model = mlp(2)
     anchor = _flat(model)
     spy = _Spy(data(digits, 1, seed=9, size=256)[0])
-    search = Stretch(100, until=0.1, syncs=2, burn_in=0.0)  # syncs at steps 5 and 10
+    search = Stretch(100, until=0.1, syncs=2, burn_in=0.0, guard_until=0.1)  # syncs at 5 and 10
     engine = hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
                         [hpx.LearningRateScale("lr")], replicas=4, signal=spy, search=search)
     assert engine.values("lr") == [1.0] * 4  # no spread while training

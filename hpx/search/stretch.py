@@ -25,11 +25,15 @@ consensus also moves to the shrunk point (it scored better, and shrinking undoes
 what a too-high value did); a stretch is not applied to the weights, only to the learning
 rate (applying it would use up the very evidence, the run lagging behind, that lets the
 learning rate keep rising). During the first ``burn_in`` of the run only shrinks count:
-every run is behind at its start, at any learning rate.
+every run is behind at its start, at any learning rate. After the window, until
+``guard_until`` of the run, the syncs go on and act on shrinks only: late in a run a
+longer path looks better whatever the learning rate (the schedule anneals), but a run
+that does better shrunk is one whose learning rate became too high or that started to
+overfit, and both are seen only late.
 
 Between syncs every replica trains at the base value (the knob's spread is 0): the
 exploration happens at the syncs, on held-out data, and costs no training quality.
-After the window the run is plain data-parallel training at the value found.
+After ``guard_until`` the run is plain data-parallel training at the value found.
 
 It needs held-out data to score on (:class:`~hpx.ProbeStream`): a batch the replicas just
 trained on rewards the stretched points.
@@ -63,6 +67,10 @@ class Stretch:
             (geometrically spaced), and one sync moves the base by at most ``span``.
         burn_in: the share of the run at the start in which only a shrink (``rho* < 1``)
             moves the base.
+        guard_until: the share of the run until which syncs go on after the window, at the
+            same spacing, acting on shrinks only (a run whose learning rate has become too
+            high, or that has started to overfit, does better shrunk; a longer path looks
+            better late in any annealed run, so stretches no longer count). ``until``: none.
         hold_syncs: syncs after the window (the replicas are identical then; they only
             keep floating buffers averaged), spread evenly over the rest of the run.
         knob: the name of the multiplicative knob searched (default: the first
@@ -80,6 +88,7 @@ class Stretch:
         syncs: int = 40,
         span: float = 1.5,
         burn_in: float = 0.1,
+        guard_until: float = 0.9,
         hold_syncs: int = 10,
         knob: str | None = None,
     ) -> None:
@@ -95,6 +104,9 @@ class Stretch:
                             "1/span to span times the run's displacement")
         if not _is_real(burn_in) or not 0 <= burn_in < 1:
             problems.append(f"burn_in must be a share of the run in [0, 1) (got {burn_in!r})")
+        if not _is_real(guard_until) or not (_is_real(until) and until <= guard_until <= 1):
+            problems.append(f"guard_until must be a share of the run in [until, 1] (got {guard_until!r} "
+                            f"with until={until!r}): where the shrink-only phase ends")
         if not _is_int(hold_syncs) or hold_syncs < 1:
             problems.append(f"hold_syncs must be an integer >= 1 (got {hold_syncs!r})")
         if knob is not None and not isinstance(knob, str):
@@ -106,7 +118,9 @@ class Stretch:
         self.end = max(1, round(self.until * self.total_steps))  # the window's last step
         self.every = max(1, self.end // self.syncs)
         self.burn_steps = self.burn_in * self.total_steps
-        self.hold_every = max(1, (self.total_steps - self.end) // self.hold_syncs)
+        self.guard_until = float(guard_until)
+        self.guard_end = max(self.end, round(self.guard_until * self.total_steps))
+        self.hold_every = max(1, (self.total_steps - self.guard_end) // self.hold_syncs)
         # the search's state (what a checkpoint holds)
         self.n_syncs = 0
         self.done = False
@@ -124,7 +138,7 @@ class Stretch:
                         next_sync=self._next(view.step), info={"phase": "stretch"})
 
     def acts_at(self, step: int) -> bool:
-        return not self.done and step <= self.end
+        return not self.done and step <= self.guard_end
 
     def decide(self, view: SyncView) -> Decision:
         self.n_syncs += 1
@@ -135,14 +149,15 @@ class Stretch:
         z = rho.log()
         best = self._fit(z, view.scores)
         burn = view.step <= self.burn_steps
-        move = 0.0 if best is None else (min(best, 0.0) if burn else best)
+        guard = view.step > self.end
+        move = 0.0 if best is None else (min(best, 0.0) if burn or guard else best)
         self.moves.append(move)
         bases = view.bases.clone()
         bases[i] = float(bases[i]) * math.exp(move)
         merge = _landing(rho, math.exp(min(move, 0.0)), view.finite)
-        info: dict[str, Any] = {"phase": "burn-in" if burn else "stretch",
+        info: dict[str, Any] = {"phase": "burn-in" if burn else "guard" if guard else "stretch",
                                 "rho": math.exp(best) if best is not None else None}
-        if view.step + self._next(view.step) > self.end:
+        if view.step + self._next(view.step) > self.guard_end:
             self.done = True
             return Decision(bases=bases, merge=merge, next_sync=self.hold_every, info=info)
         return Decision(bases=bases, merge=merge, placement=rho, next_sync=self._next(view.step),
@@ -158,7 +173,7 @@ class Stretch:
 
     def __repr__(self) -> str:
         return (f"Stretch(total_steps={self.total_steps}, until={self.until:g}, syncs={self.syncs}, "
-                f"span={self.span:g}, burn_in={self.burn_in:g})")
+                f"span={self.span:g}, burn_in={self.burn_in:g}, guard_until={self.guard_until:g})")
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -188,7 +203,8 @@ class Stretch:
 
     def _next(self, step: int) -> int:
         """Steps to the next sync in the window (the last one lands on its end)."""
-        return max(1, min(self.every, self.end - step)) if step < self.end else self.hold_every
+        end = self.guard_end
+        return max(1, min(self.every, end - step)) if step < end else self.hold_every
 
     def _fit(self, z: torch.Tensor, scores: torch.Tensor) -> float | None:
         """``log rho*``: the minimum over the scored range of a parabola fitted to the scores
