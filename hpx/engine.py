@@ -31,8 +31,8 @@ import torch
 
 from hpx._seed import derive_seed
 from hpx.averaging import average_, broadcast_, float_state, optimizer_state_tensors
+from hpx.backends import default_backend
 from hpx.backends.base import Collective
-from hpx.backends.local import InProcess
 from hpx.config import EngineConfig
 from hpx.controller import Controller
 from hpx.errors import ConfigError, ConsistencyError, NonFiniteError
@@ -123,7 +123,7 @@ class Engine:
         cfg = self.config
         if not isinstance(model, torch.nn.Module):
             raise ConfigError([f"model must be a torch.nn.Module (got {type(model).__name__})"])
-        self.collective: Collective = backend if backend is not None else InProcess()
+        self.collective: Collective = backend if backend is not None else default_backend()
         self.knobs = knobs if isinstance(knobs, Knobs) else Knobs(*knobs)
         if self.knobs.seed is None:
             self.knobs.reseed(cfg.seed)
@@ -148,8 +148,8 @@ class Engine:
             self.search = HDET(controller, warmup=cfg.warmup, decay=cfg.decay, active=cfg.controller)
 
         world, rank = self.collective.world_size, self.collective.rank
-        in_process = isinstance(self.collective, InProcess)
-        local = cfg.replicas if cfg.replicas is not None else (4 if in_process else 1)
+        local = (cfg.replicas if cfg.replicas is not None  # else the backend's choice (1 if it has none)
+                 else int(getattr(self.collective, "default_replicas", 1)))
         self.n_local, self.n_replicas = local, local * world
         self._first = rank * local  # global index of local replica 0
         self._ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)

@@ -7,7 +7,13 @@ imports torch.distributed; it is imported only when asked for.
 from hpx.backends.base import Collective
 from hpx.backends.local import InProcess
 
-__all__ = ["Collective", "InProcess", "TorchDistributed"]
+__all__ = ["Collective", "InProcess", "TorchDistributed", "default_backend"]
+
+
+def default_backend() -> Collective:
+    """The backend an engine uses when none is given: every replica in this process
+    (:class:`InProcess`). Under torch.distributed pass ``TorchDistributed()`` explicitly."""
+    return InProcess()
 
 
 def __getattr__(name: str):

@@ -6,6 +6,10 @@ case ``W = 1, L = N``; the torch.distributed backend is ``W = N, L = 1``. Global
 replica index of local replica ``l`` on rank ``k`` is ``k * L + l``.
 
 A backend only moves tensors; it knows nothing of knobs, models or optimizers.
+Two optional members let a backend shape what the engine does without the engine
+knowing which backend it has: ``default_replicas`` (replicas per process when the user
+gives no count; 1 if absent) and ``prepare_model(model) -> model`` (called once on the
+user's model, e.g. to register a gradient hook).
 """
 
 from __future__ import annotations

@@ -75,6 +75,8 @@ class TorchDistributed:
     with :class:`~hpx.errors.NonFiniteError` at the next sync.
     """
 
+    default_replicas = 1  # one replica per process when the engine is given no count
+
     def __init__(
         self, group: dist.ProcessGroup | None = None, *, bucket_cap_mb: float = 25.0,
         nan_guard: bool = True,

@@ -17,6 +17,7 @@ class InProcess:
 
     rank = 0
     world_size = 1
+    default_replicas = 4  # replicas per process when the engine is given no count
 
     def all_reduce_sum_(self, tensors: list[torch.Tensor]) -> None:
         return None
