@@ -1,0 +1,2 @@
+"""Integrations with training frameworks. Each module imports its framework only when used:
+``hpx.integrations.lightning`` (PyTorch Lightning)."""

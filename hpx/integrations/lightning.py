@@ -1,0 +1,154 @@
+"""hpx inside PyTorch Lightning: a callback that turns Lightning's data-parallel processes into
+replicas that find the learning rate (:func:`hpx.autolr`'s search).
+
+::
+
+    from hpx.integrations.lightning import AutoLR
+
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy="ddp_spawn", max_steps=2000,
+                        callbacks=[AutoLR(loss_fn=lambda module, batch: module.loss(batch),
+                                          probe=val_batches)])
+    trainer.fit(module, train_loader)
+
+Each process Lightning runs (``devices=N``) is one replica; the callback builds an
+:class:`~hpx.Engine` around Lightning's own DDP-wrapped model and optimizer when fitting starts,
+reads each training step's loss, lets the search move the learning rate at its syncs, logs the
+knob's base and the learning rate each replica used through the trainer's loggers, and saves
+its state in Lightning's checkpoints. The learning-rate schedule the module configures (one
+scheduler, stepped every step) is taken over: hpx follows its shape and scales it, and
+Lightning no longer steps it.
+
+In one process Lightning trains one model, so there is one replica and nothing to explore (the
+callback warns); on one machine, ``accelerator="cpu", devices=4`` runs four processes.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+try:
+    import lightning.pytorch as pl
+except ImportError as e:  # pragma: no cover - exercised only without lightning installed
+    raise ImportError("hpx.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
+
+from hpx.errors import ConfigError
+from hpx.sync_record import SyncRecord
+
+__all__ = ["AutoLR"]
+
+
+class AutoLR(pl.Callback):
+    """Find the learning rate while Lightning trains (the recommended setup, :func:`hpx.autolr`).
+
+    Args:
+        loss_fn: ``loss_fn(module, batch) -> loss``: how a replica is scored on a held-out batch
+            (the plain objective, without regularisers). ``module`` is your LightningModule.
+        probe: held-out batches to score replicas on (a few batches of a validation split;
+            every process must see the same ones).
+        total_steps: the run's length in optimizer steps (default: the trainer's
+            ``estimated_stepping_batches``).
+        **settings: other :func:`hpx.autolr` settings (``span``, ``seed``, ``history_file``, ...).
+
+    The engine is :attr:`engine` once fitting has started.
+    """
+
+    def __init__(self, loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor], *,
+                 probe: Iterable[Any], total_steps: int | None = None,
+                 **settings: Any) -> None:
+        problems = []
+        if probe is None or not isinstance(probe, Iterable):
+            problems.append(f"probe must be held-out batches (a list of a few validation batches; "
+                            f"got {type(probe).__name__})")
+        if not callable(loss_fn):
+            problems.append(f"loss_fn must be a function (module, batch) -> loss "
+                            f"(got {type(loss_fn).__name__})")
+        for key in ("backend", "replicas", "schedule", "loss_fn"):
+            if key in settings:
+                problems.append(f"{key} is set by the callback from the trainer; remove {key}=...")
+        ConfigError.check(problems)
+        self.loss_fn, self.probe, self.total_steps, self.settings = loss_fn, probe, total_steps, settings
+        self.engine: Any = None
+        self._pending: dict[str, Any] | None = None  # hpx state from a checkpoint, until fit starts
+        self._module: pl.LightningModule | None = None
+        self._trainer: pl.Trainer | None = None
+        self._last_step = 0
+
+    # --- Lightning hooks ---------------------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import hpx
+
+        if not pl_module.automatic_optimization:
+            raise ConfigError(["AutoLR drives Lightning's automatic optimization; with manual "
+                               "optimization build hpx.autolr yourself and call engine.step"])
+        if len(trainer.optimizers) != 1:
+            raise ConfigError([f"AutoLR needs exactly one optimizer (the module configures "
+                               f"{len(trainer.optimizers)})"])
+        configs = trainer.strategy.lr_scheduler_configs
+        if len(configs) > 1 or (configs and configs[0].interval != "step"):
+            raise ConfigError(["AutoLR takes over one scheduler stepped every step ('interval': "
+                               "'step'); the module configures "
+                               f"{[(type(c.scheduler).__name__, c.interval) for c in configs]}"])
+        schedule = configs[0].scheduler if configs else None
+        backend = None
+        world = trainer.world_size
+        if world > 1:
+            from hpx.backends import TorchDistributed
+
+            backend = TorchDistributed()
+        else:
+            warnings.warn("AutoLR in one process: Lightning trains one model, so there is one "
+                          "replica and nothing to explore; run several processes "
+                          "(devices=N, strategy='ddp' or 'ddp_spawn')", stacklevel=2)
+        total = self.total_steps if self.total_steps is not None else int(trainer.estimated_stepping_batches)
+        self._module, self._trainer = pl_module, trainer
+        model = trainer.strategy.model if world > 1 else pl_module
+        self.engine = hpx.autolr(model, trainer.optimizers[0], total_steps=total, schedule=schedule,
+                                 probe=self.probe, loss_fn=self._score, replicas=1, backend=backend,
+                                 on_sync=self._log, **self.settings)
+        if configs:
+            trainer.strategy.lr_scheduler_configs = []  # hpx writes the schedule's lrs from now on
+        if self._pending is not None:
+            self.engine.load_state_dict(self._pending)
+            self._pending = None
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self.engine.record(loss.detach())
+        if trainer.global_step > self._last_step:  # the optimizer stepped (not accumulating)
+            self._last_step = trainer.global_step
+            self.engine.advance(batch=batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.engine is None:
+            return {}
+        state = self.engine.state_dict()
+        del state["replicas"]  # the model and the optimizer are in Lightning's checkpoint
+        return {"engine": state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = state_dict.get("engine")
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _score(self, replica: Any, batch: Any) -> torch.Tensor:
+        assert self._module is not None  # one replica per process: this process's module
+        return self.loss_fn(self._module, batch)
+
+    def _log(self, record: SyncRecord) -> None:
+        trainer = self._trainer
+        if trainer is None or not trainer.loggers:
+            return
+        metrics = {f"hpx/{name}_base": float(base) for name, base in record.bases.items()}
+        for name, values in record.applied.items():  # what each replica used at the last step
+            for r, v in enumerate(values):
+                metrics[f"hpx/{name}_applied/replica{r}"] = float(v)
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=trainer.global_step)

@@ -1,0 +1,71 @@
+"""A tiny LightningModule on scikit-learn's digits, importable by spawned processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = load_digits(return_X_y=True)
+    return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y, dtype=torch.long)
+
+
+def loader(batch: int = 32) -> DataLoader:
+    x, y = digits()
+    return DataLoader(TensorDataset(x[:1400], y[:1400]), batch_size=batch, shuffle=False)
+
+
+def probe() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = digits()
+    return [(x[1400:1600], y[1400:1600])]
+
+
+def probe_loss(module: Digits, batch) -> torch.Tensor:
+    return F.cross_entropy(module(batch[0]), batch[1])
+
+
+class Digits(pl.LightningModule):
+    def __init__(self, lr: float = 0.01, steps: int = 40) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.lr, self.steps = lr, steps
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        return F.cross_entropy(self(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=self.steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Report(pl.Callback):
+    """Writes what the AutoLR callback saw to ``out/rank{r}.json`` when fitting ends."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        from hpx.integrations.lightning import AutoLR
+
+        auto = next(c for c in trainer.callbacks if isinstance(c, AutoLR))
+        e = auto.engine
+        params = torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()])
+        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps({
+            "bases": e.bases, "steps": [r.step for r in e.history], "step": e.step_count,
+            "n_replicas": e.n_replicas, "schedulers": len(trainer.lr_scheduler_configs),
+            "lr": trainer.optimizers[0].param_groups[0]["lr"], "params": params[:50].tolist(),
+            "phases": [r.phase for r in e.history],
+        }))

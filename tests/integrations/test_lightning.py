@@ -1,0 +1,83 @@
+"""hpx.integrations.lightning.AutoLR, run by the real PyTorch Lightning on CPU."""
+
+from __future__ import annotations
+
+import csv
+import json
+import warnings
+
+import pytest
+
+pl = pytest.importorskip("lightning.pytorch")
+
+import hpx  # noqa: E402
+from hpx.integrations.lightning import AutoLR  # noqa: E402
+from tests.integrations._lit import Digits, Report, loader, probe, probe_loss  # noqa: E402
+
+
+def _trainer(tmp_path, steps, devices=1, **kw):
+    return pl.Trainer(accelerator="cpu", devices=devices, max_steps=steps,
+                      logger=pl.loggers.CSVLogger(tmp_path), enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+                      **kw)
+
+
+def test_two_ddp_processes_explore_agree_and_log(tmp_path):
+    steps = 40
+    auto = AutoLR(probe_loss, probe=probe(), seed=0)
+    trainer = _trainer(tmp_path, steps, devices=2, strategy="ddp_spawn",
+                       callbacks=[auto, Report(str(tmp_path))])
+    trainer.fit(Digits(lr=0.005, steps=steps), loader())
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["n_replicas"] == 2 and r["step"] == steps
+        assert r["schedulers"] == 0  # the module's OneCycleLR was taken over
+        assert "stretch" in r["phases"] and r["steps"][0] >= 1
+    assert ranks[0]["bases"] == ranks[1]["bases"] and ranks[0]["steps"] == ranks[1]["steps"]
+    assert ranks[0]["bases"]["lr"] != 1.0  # the search moved the learning rate
+    assert ranks[0]["params"] == ranks[1]["params"]  # DDP replicas stay identical
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    logged = [float(r["hpx/lr_base"]) for r in rows if r.get("hpx/lr_base")]
+    assert len(logged) == len(ranks[0]["steps"]) and logged[-1] == pytest.approx(ranks[0]["bases"]["lr"])
+    assert any(k.startswith("hpx/lr_applied/replica1") for k in rows[0])
+
+
+def test_one_process_warns_and_follows_the_modules_schedule(tmp_path):
+    steps = 20  # the schedule's length; the trainer stops half-way, mid-schedule
+    auto = AutoLR(probe_loss, probe=probe(), total_steps=steps)
+    trainer = _trainer(tmp_path, steps // 2, callbacks=[auto])
+    with pytest.warns(UserWarning, match="one replica and nothing to explore"):
+        trainer.fit(Digits(lr=0.01, steps=steps), loader())
+    assert auto.engine.step_count == steps // 2 and trainer.lr_scheduler_configs == []
+    assert auto.engine.bases["lr"] == 1.0  # one replica: nothing to compare, nothing moves
+    # hpx wrote OneCycle's lr for the next step, as Lightning stepping the scheduler would have
+    ref = Digits(lr=0.01, steps=steps).configure_optimizers()["lr_scheduler"]["scheduler"]
+    for _ in range(steps // 2):
+        ref.optimizer.step()
+        ref.step()
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(ref.get_last_lr()[0], rel=1e-6)
+
+
+def test_checkpoint_resume_continues_hpxs_state(tmp_path):
+    auto = AutoLR(probe_loss, probe=probe())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _trainer(tmp_path, 10, callbacks=[auto])
+        trainer.fit(Digits(lr=0.01, steps=20), loader())
+        ckpt = tmp_path / "mid.ckpt"
+        trainer.save_checkpoint(ckpt)
+        saved_history = [r.step for r in auto.engine.history]
+        again = AutoLR(probe_loss, probe=probe())
+        trainer = _trainer(tmp_path, 20, callbacks=[again])
+        trainer.fit(Digits(lr=0.01, steps=20), loader(), ckpt_path=ckpt)
+    assert again.engine.step_count == 20
+    assert [r.step for r in again.engine.history][: len(saved_history)] == saved_history
+
+
+def test_bad_settings_are_named_together():
+    with pytest.raises(hpx.ConfigError) as e:
+        AutoLR(3, probe=None, backend=1, replicas=2)
+    msg = str(e.value)
+    for part in ("probe must be held-out batches", "loss_fn must be a function", "backend is set by",
+                 "replicas is set by"):
+        assert part in msg
