@@ -4,7 +4,8 @@ The recommended setup, ``hpx.autolr``: build the optimizer with the learning rat
 would have used (here 10x below a good one), give the schedule and a few held-out
 batches, and train. In the first 40% of the run the replicas are scored at the run's
 displacement shrunk and stretched, and the base moves to the scale that scores best;
-the rest of the run is plain data-parallel training at that value. For comparison the
+until 90% only a shrink that scores better moves it; the rest is plain data-parallel
+training at that value. For comparison the
 script also trains the same model plainly at the starting learning rate.
 
     python examples/digits.py                 # about 10 s on one CPU core
@@ -114,8 +115,9 @@ def main() -> None:
         print(f"plot: {png}")
     except ImportError:
         print("(install matplotlib for a plot)")
-    print(f"\nlr {args.lr:g} -> {engine.bases['lr'] * args.lr:.4g} (found in the first "
-          f"{engine.search.end} steps; then plain training)")
+    print(f"\nlr {args.lr:g} -> {engine.bases['lr'] * args.lr:.4g} (searched in the first "
+          f"{engine.search.end} steps, only lowered until step {engine.search.guard_end}; "
+          "then plain training)")
     print(f"hpx.autolr: test loss {hpx_loss:.4f}, accuracy {hpx_acc:.4f} ({took:.1f} s)")
     print(f"plain at lr {args.lr:g}: test loss {plain_loss:.4f}, accuracy {plain_acc:.4f}")
 

@@ -93,3 +93,28 @@ def test_plot_a_knob_that_reaches_zero_and_a_sync_without_scores(tmp_path):
                                scores=[math.nan, math.nan]))
     png = hpx.plot_history(recs, tmp_path / "p.png")
     assert png.stat().st_size > 5000
+
+
+def test_progress_bar_rewrites_one_line_per_sync_and_ends_it(digits):
+    import io
+
+    out = io.StringIO()
+    bar = hpx.ProgressBar(3 * T, stream=out, width=6)
+    engine = _engine(on_sync=bar)
+    batches = data(digits, 3 * T)
+    for b in batches[: 2 * T]:
+        engine.step(lambda rep, x: F.cross_entropy(rep.model(x[0]), x[1]), b)
+    text = out.getvalue()
+    assert text.count("\r") == 2 and "\n" not in text  # one line, rewritten at each sync
+    assert f"[####..] {2 * T}/{3 * T}" in text and f"lr {engine.bases['lr']:.4g}" in text
+    for b in batches[2 * T:]:
+        engine.step(lambda rep, x: F.cross_entropy(rep.model(x[0]), x[1]), b)
+    assert out.getvalue().endswith("\n") and out.getvalue().count("\n") == 1  # ended at 100%
+    assert f"[######] {3 * T}/{3 * T}" in out.getvalue()
+
+
+def test_progress_bar_settings_are_checked():
+    with pytest.raises(hpx.ConfigError) as e:
+        hpx.ProgressBar(0, width=0)
+    assert "total_steps must be an integer >= 1 or None (got 0)" in str(e.value)
+    assert "width must be an integer >= 1 (got 0)" in str(e.value)
