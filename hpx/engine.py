@@ -358,7 +358,9 @@ class Engine:
         parts, shared = self._parts(batch, batches)
         if self._fresh:  # the first micro-batch of an optimizer step
             prepare = getattr(self.signal, "prepare", None)
-            if prepare is not None and self.step_count + 1 >= self._next_sync and self._controls_now(1):
+            # not when the sync places the replicas first: they must be scored where they are placed
+            if (prepare is not None and self._placement is None and self.step_count + 1 >= self._next_sync
+                    and self._controls_now(1)):
                 prepare(SyncContext(self.replicas, self._acc, shared, loss_fn, self.collective,
                                     self.step_count))
             if self._grads is not None:

@@ -12,7 +12,9 @@ Nothing has to be tuned:
   syncs go on and act only on shrinks (a learning rate that became too high, or overfitting);
   then the run continues as plain data-parallel training at the value found;
 * replicas scored on held-out batches you give (``probe``), or else on the sync step's own
-  batch before they train on it (:class:`~hpx.SharedBatch`).
+  training batch (:class:`~hpx.SharedBatch`; one batch among the thousands the displacement
+  was made of, so the bias toward the stretched side is small, but its noise is larger:
+  give a probe).
 """
 
 from __future__ import annotations
@@ -80,8 +82,7 @@ def autolr(
             shape; its peak learning rates are the ones explored around). ``None``: constant.
             Build ``optimizer`` with the *peak* learning rates.
         probe: held-out batches to score replicas on (cycled, up to 4 per sync; a list of a few
-            batches of a validation split is enough). ``None``: each sync step's training batch, scored
-            before the replicas train on it.
+            batches of a validation split is enough). ``None``: each sync step's training batch.
         loss_fn: ``loss_fn(replica, batch)`` for scoring; default: the loss given to
             :meth:`Engine.step <hpx.Engine.step>`. Give one without regularisers.
         knobs: more knobs to spread (they do not move unless given a spread).

@@ -146,3 +146,16 @@ def test_autolr_raises_a_too_low_lr_on_digits(digits):
     for b in data(digits, 60, seed=1, size=64):
         engine.step(ce, b)
     assert engine.bases["lr"] >= 2.0
+
+
+def test_autolr_without_a_probe_scores_the_placed_replicas_on_the_sync_batch(digits):
+    """With no probe the replicas are scored where the sync places them (a batch scored
+    before the placement would see identical replicas and never move the lr)."""
+    engine = hpx.autolr(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+                        total_steps=300)
+    assert isinstance(engine.signal, hpx.SharedBatch)
+    for b in data(digits, 60, seed=1, size=64):
+        engine.step(ce, b)
+    scored = [r.scores for r in engine.history if r.phase in ("stretch", "burn-in")]
+    assert scored and all(len(set(s)) > 1 for s in scored)  # the placed points differ
+    assert engine.bases["lr"] > 1.0
