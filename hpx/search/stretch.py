@@ -35,8 +35,8 @@ Between syncs every replica trains at the base value (the knob's spread is 0): t
 exploration happens at the syncs, on held-out data, and costs no training quality.
 After ``guard_until`` the run is plain data-parallel training at the value found.
 
-It needs held-out data to score on (:class:`~hpx.ProbeStream`): a batch the replicas just
-trained on rewards the stretched points.
+It wants held-out data to score on (:class:`~hpx.ProbeStream`): a batch the replicas just
+trained on slightly rewards the stretched points, and one batch is noisier than a probe.
 """
 
 from __future__ import annotations
