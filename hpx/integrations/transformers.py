@@ -1,0 +1,143 @@
+"""hpx inside the Hugging Face ``Trainer``: a callback that turns the Trainer's data-parallel
+processes into replicas that find the learning rate (:func:`hpx.autolr`'s search).
+
+::
+
+    from hpx.integrations.transformers import AutoLR
+
+    trainer = Trainer(model=model, args=args, train_dataset=train,
+                      callbacks=[AutoLR(loss_fn=lambda model, batch: model(**batch).loss,
+                                        probe=val_batches)])
+    trainer.train()                                   # torchrun --nproc_per_node=4 train.py
+
+Each process the Trainer runs under ``torchrun`` is one replica. When training begins (after the
+Trainer has built and wrapped the model, the optimizer and its scheduler, and loaded a checkpoint
+it resumes from), the callback builds an :class:`~hpx.Engine` on the Trainer's model and
+optimizer, following the shape of the Trainer's learning-rate schedule and scaling it; after
+every optimizer step it advances the engine, which writes the learning rate the next step
+uses. The Trainer's DDP averages the gradients; hpx only moves the learning rate and, at its
+syncs, places and averages the weights. At each sync the knob's base and the learning rate
+each replica used are appended to ``state.log_history`` (saved with the Trainer's state);
+hpx's own state is saved beside every checkpoint the Trainer writes and restored when training
+resumes from it.
+
+The Trainer's own ``learning_rate`` log shows its scheduler's value, not the scaled one hpx
+writes; ``hpx/lr_applied/replica0`` is the one used. In one process there is one replica and
+nothing to explore (the callback warns).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - exercised only without transformers installed
+    raise ImportError("hpx.integrations.transformers needs transformers: pip install transformers") from e
+
+from hpx.errors import ConfigError
+from hpx.sync_record import SyncRecord
+
+__all__ = ["AutoLR"]
+
+_STATE_FILE = "hpx_rank{rank}.pt"
+
+
+class AutoLR(TrainerCallback):
+    """Find the learning rate while the Hugging Face ``Trainer`` trains (:func:`hpx.autolr`).
+
+    Args:
+        loss_fn: ``loss_fn(model, batch) -> loss``: how a replica is scored on a held-out batch
+            (the plain objective). ``model`` is the Trainer's model (not its DDP wrapper).
+        probe: held-out batches to score replicas on (a few batches of a validation split,
+            already collated and on the model's device; every process must see the same ones).
+        **settings: other :func:`hpx.autolr` settings (``span``, ``seed``, ``history_file``,
+            ``on_sync``, ...).
+
+    The engine is :attr:`engine` once training has begun.
+    """
+
+    def __init__(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, probe: Iterable[Any],
+                 **settings: Any) -> None:
+        problems = []
+        if probe is None or not isinstance(probe, Iterable):
+            problems.append(f"probe must be held-out batches (a list of a few validation batches; "
+                            f"got {type(probe).__name__})")
+        if not callable(loss_fn):
+            problems.append(f"loss_fn must be a function (model, batch) -> loss "
+                            f"(got {type(loss_fn).__name__})")
+        for key in ("backend", "replicas", "schedule", "loss_fn", "total_steps", "mode"):
+            if key in settings:
+                problems.append(f"{key} is set by the callback from the Trainer; remove {key}=...")
+        ConfigError.check(problems)
+        self.loss_fn, self.probe, self.settings = loss_fn, probe, settings
+        self.engine: Any = None
+        self._model: torch.nn.Module | None = None
+        self._state: Any = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
+                       optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
+        import hpx
+
+        if model is None or optimizer is None:
+            raise ConfigError(["AutoLR needs the Trainer's model and optimizer (transformers passes "
+                               "them to callbacks when training begins)"])
+        lambdas = getattr(lr_scheduler, "lr_lambdas", None)
+        if lr_scheduler is not None and not lambdas:
+            raise ConfigError([f"AutoLR follows a LambdaLR schedule (the Trainer's own lr_scheduler_type "
+                               f"schedules are); got {type(lr_scheduler).__name__}"])
+        backend, world = None, int(getattr(args, "world_size", 1))
+        if world > 1:
+            from hpx.backends import TorchDistributed
+
+            backend = TorchDistributed()
+        else:
+            warnings.warn("AutoLR in one process: the Trainer trains one model, so there is one "
+                          "replica and nothing to explore; launch several processes with torchrun",
+                          stacklevel=2)
+        self._model, self._state = model, state
+        on_sync = self.settings.pop("on_sync", ())
+        extra = list(on_sync) if isinstance(on_sync, (list, tuple)) else [on_sync]
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
+        if lr_scheduler is not None:  # the groups' peaks, which the engine scales (a warm-up may be at 0)
+            for g, lr in zip(inner.param_groups, lr_scheduler.base_lrs):
+                g["lr"] = lr
+        schedule = (lambda t: float(lambdas[0](t))) if lambdas else None
+        # independent: the Trainer's DDP already averages the gradients; hpx leaves them alone
+        self.engine = hpx.autolr(model, inner, total_steps=int(state.max_steps), schedule=schedule,
+                                 probe=self.probe, loss_fn=self._score, replicas=1, backend=backend,
+                                 mode="independent", on_sync=[self._log, *extra], **self.settings)
+        if state.global_step > 0:  # resumed: the Trainer has loaded model, optimizer and scheduler
+            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}",
+                                _STATE_FILE.format(rank=self.engine.collective.rank))
+            if not os.path.exists(path):
+                raise ConfigError([f"resuming at step {state.global_step}, but hpx's state is not in "
+                                   f"{path}: was the checkpoint saved with AutoLR?"])
+            self.engine.load_state_dict(torch.load(path, weights_only=False))
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.engine.advance()
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        engine_state = self.engine.state_dict()
+        del engine_state["replicas"]  # the model and optimizer are in the Trainer's checkpoint
+        torch.save(engine_state, os.path.join(folder, _STATE_FILE.format(rank=self.engine.collective.rank)))
+
+    def _score(self, replica: Any, batch: Any) -> torch.Tensor:
+        assert self._model is not None
+        return self.loss_fn(self._model, batch)
+
+    def _log(self, record: SyncRecord) -> None:
+        entry: dict[str, Any] = {"step": record.step}
+        entry.update({f"hpx/{name}_base": float(base) for name, base in record.bases.items()})
+        for name, values in record.applied.items():
+            for r, v in enumerate(values):
+                entry[f"hpx/{name}_applied/replica{r}"] = float(v)
+        self._state.log_history.append(entry)

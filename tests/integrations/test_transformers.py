@@ -1,0 +1,75 @@
+"""hpx.integrations.transformers.AutoLR, run by the real Hugging Face Trainer on CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import hpx
+from hpx.integrations.transformers import AutoLR
+from tests._dist import run_distributed
+from tests.integrations._hf import probe, probe_loss, trainer, two_ranks
+
+
+class _Spy:
+    """Records the lr the next optimizer step will use, after AutoLR wrote it."""
+
+    def __init__(self):
+        self.lrs = {}
+
+    def __getattr__(self, name):  # every other TrainerCallback event: nothing
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args, state, control, optimizer=None, **kw):
+        self.lrs[state.global_step] = optimizer.param_groups[0]["lr"]
+
+
+def test_one_process_warns_and_follows_the_trainers_schedule(tmp_path):
+    auto, spy = AutoLR(probe_loss, probe=probe()), _Spy()
+    t = trainer(tmp_path, 20, [auto, spy])
+    with pytest.warns(UserWarning, match="one replica and nothing to explore"):
+        t.train()
+    assert auto.engine.step_count == 20 and auto.engine.bases["lr"] == 1.0
+    lam = t.lr_scheduler.lr_lambdas[0]
+    for step in (3, 10, 15):  # the lr for the next step: the linear schedule with its warm-up
+        assert spy.lrs[step] == pytest.approx(1e-3 * lam(step), rel=1e-9)
+    assert any("hpx/lr_base" in h for h in t.state.log_history)
+
+
+def test_checkpoint_resume_continues_hpxs_state(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = AutoLR(probe_loss, probe=probe())
+        trainer(tmp_path, 20, [first], save_strategy="steps", save_steps=10).train()
+        assert (tmp_path / "checkpoint-10" / "hpx_rank0.pt").exists()
+        again = AutoLR(probe_loss, probe=probe())
+        trainer(tmp_path, 20, [again], save_strategy="steps", save_steps=10).train(
+            resume_from_checkpoint=str(tmp_path / "checkpoint-10"))
+    assert again.engine.step_count == 20
+    assert [r.step for r in again.engine.history] == [r.step for r in first.engine.history]
+    assert again.engine.bases == first.engine.bases
+
+
+def test_two_processes_explore_and_agree(tmp_path):
+    ranks = run_distributed(two_ranks, 2, str(tmp_path), timeout=240)
+    for r in ranks:
+        assert r["n"] == 2 and r["step"] == 40 and "stretch" in r["phases"]
+        assert r["logged"] and r["logged"][-1]["hpx/lr_base"] == pytest.approx(r["bases"]["lr"])
+    assert ranks[0]["bases"] == ranks[1]["bases"] and ranks[0]["steps"] == ranks[1]["steps"]
+    assert ranks[0]["bases"]["lr"] != 1.0  # the search moved the learning rate
+    assert ranks[0]["params"] == ranks[1]["params"]  # DDP and hpx keep the replicas identical
+
+
+def test_bad_settings_are_named_together():
+    with pytest.raises(hpx.ConfigError) as e:
+        AutoLR(3, probe=None, backend=1, mode="shared")
+    msg = str(e.value)
+    for part in ("probe must be held-out batches", "loss_fn must be a function", "backend is set by",
+                 "mode is set by"):
+        assert part in msg
