@@ -1,10 +1,10 @@
-"""An opt-in progress line, updated at every sync: ``Engine(..., on_sync=hpx.ProgressBar(total))``."""
+"""An opt-in progress bar (tqdm), updated at every sync: ``Engine(..., on_sync=hpx.ProgressBar(total))``."""
 
 from __future__ import annotations
 
 import math
 import sys
-from typing import IO
+from typing import IO, Any
 
 from hpx.errors import ConfigError
 from hpx.sync_record import SyncRecord
@@ -13,68 +13,64 @@ __all__ = ["ProgressBar"]
 
 
 class ProgressBar:
-    """Rewrites one line on a terminal at every sync: how far the run is, each knob's base,
-    the best replica's score and the wall time. No dependency; a sync is the only time it
-    runs, so it costs nothing per step.
+    """A `tqdm <https://tqdm.github.io>`_ bar advanced at every sync, its postfix showing each
+    knob's base, the best replica's score and the search's phase. It runs only at syncs, so it
+    costs nothing per step. Needs ``tqdm`` (``pip install "hpx-hdet[progress]"``).
 
     Args:
-        total_steps: the run's length (the bar's 100%); ``None``: the step count alone.
-        stream: where to write (default ``sys.stderr``).
-        width: characters of the bar.
+        total_steps: the run's length (the bar's 100%); ``None``: a counter.
+        stream: where to write (tqdm's default: ``sys.stderr``).
+        **tqdm_args: passed to ``tqdm`` (``desc``, ``ncols``, ``leave``, ...).
 
-    Under torch.distributed only rank 0 writes. The line ends when a record reaches
+    Under torch.distributed only rank 0 draws. The bar closes when a record reaches
     ``total_steps`` (or call :meth:`close`).
     """
 
     def __init__(self, total_steps: int | None = None, *, stream: IO[str] | None = None,
-                 width: int = 24) -> None:
-        problems = []
+                 **tqdm_args: Any) -> None:
         if total_steps is not None and (not isinstance(total_steps, int) or isinstance(total_steps, bool)
                                         or total_steps < 1):
-            problems.append(f"total_steps must be an integer >= 1 or None (got {total_steps!r})")
-        if not isinstance(width, int) or isinstance(width, bool) or width < 1:
-            problems.append(f"width must be an integer >= 1 (got {width!r})")
-        ConfigError.check(problems)
-        self.total_steps, self.width = total_steps, width
-        self.stream = stream
-        self._open = False
+            raise ConfigError([f"total_steps must be an integer >= 1 or None (got {total_steps!r})"])
+        try:
+            import tqdm  # noqa: F401
+        except ImportError as e:
+            raise ImportError('hpx.ProgressBar draws with tqdm: pip install "hpx-hdet[progress]" '
+                              "(or pip install tqdm)") from e
+        self.total_steps, self.stream, self.tqdm_args = total_steps, stream, tqdm_args
+        self._bar: Any = None
 
     def __call__(self, record: SyncRecord) -> None:
         if not _rank_zero():
             return
-        out = self.stream or sys.stderr
-        out.write("\r" + self.line(record))
-        out.flush()
-        self._open = True
+        if self._bar is None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.total_steps, file=self.stream, unit="step",
+                             **{"desc": "hpx", **self.tqdm_args})
+        bar = self._bar
+        bar.update(max(record.step - bar.n, 0))
+        bar.set_postfix_str(self.postfix(record), refresh=True)
         if self.total_steps is not None and record.step >= self.total_steps:
             self.close()
 
-    def line(self, record: SyncRecord) -> str:
-        """The text written for ``record``."""
-        parts = []
-        if self.total_steps is not None:
-            done = min(record.step / self.total_steps, 1.0)
-            filled = round(done * self.width)
-            parts.append(f"[{'#' * filled}{'.' * (self.width - filled)}] {record.step}/{self.total_steps}")
-        else:
-            parts.append(f"step {record.step}")
-        parts += [f"{name} {base:.4g}" for name, base in record.bases.items()]
+    @staticmethod
+    def postfix(record: SyncRecord) -> str:
+        """The text shown after the bar for ``record``."""
+        parts = [f"{name} {base:.4g}" for name, base in record.bases.items()]
         finite = [s for s in record.scores if math.isfinite(s)]
         if finite:
-            parts.append(f"best score {min(finite):.4g}")
+            parts.append(f"best {min(finite):.4g}")
         if record.phase:
             parts.append(str(record.phase))
-        if record.wall is not None:
-            parts.append(f"{record.wall:.0f} s")
-        return "  ".join(parts)
+        return ", ".join(parts)
 
     def close(self) -> None:
-        """End the line (once)."""
-        if self._open:
-            (self.stream or sys.stderr).write("\n")
-            self._open = False
+        """Close the bar (once)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _rank_zero() -> bool:
-    dist = sys.modules.get("torch.distributed")  # imported by torch; never initialised here
+    dist = sys.modules.get("torch.distributed")
     return dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
