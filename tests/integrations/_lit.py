@@ -69,3 +69,33 @@ class Report(pl.Callback):
             "lr": trainer.optimizers[0].param_groups[0]["lr"], "params": params[:50].tolist(),
             "phases": [r.phase for r in e.history],
         }))
+
+
+class InProcess(pl.LightningModule):
+    """N replicas in one process: manual optimization, hpx.autolr's engine steps them all."""
+
+    def __init__(self, lr: float = 0.01, steps: int = 40, replicas: int = 4) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.lr, self.steps, self.replicas = lr, steps, replicas
+        self.automatic_optimization = False  # the engine steps every replica's optimizer
+        self.engine = None
+
+    def configure_optimizers(self):
+        return None  # each replica gets its own optimizer from the factory below
+
+    def on_fit_start(self):
+        import hpx
+
+        self.engine = hpx.autolr(
+            self.net, lambda m: torch.optim.SGD(m.parameters(), lr=self.lr, momentum=0.9),
+            total_steps=self.steps, probe=probe(), replicas=self.replicas, seed=0,
+            loss_fn=lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]))
+
+    def training_step(self, batch, batch_idx):
+        self.engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), batch)
+        self.log("hpx/lr_base", self.engine.bases["lr"])
+
+    def on_fit_end(self):
+        self.engine.converge()  # self.net (replica 0) holds the consensus

@@ -7,6 +7,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
@@ -81,3 +82,21 @@ def test_bad_settings_are_named_together():
     for part in ("probe must be held-out batches", "loss_fn must be a function", "backend is set by",
                  "replicas is set by"):
         assert part in msg
+
+
+def test_n_replicas_in_one_process_with_manual_optimization(tmp_path):
+    from tests.integrations._lit import InProcess
+
+    module = InProcess(lr=0.005, steps=40, replicas=4)
+    # manual optimization without Lightning optimizers: Lightning counts batches, not steps
+    trainer = _trainer(tmp_path, -1, max_epochs=1, limit_train_batches=40, log_every_n_steps=1)
+    trainer.fit(module, loader())
+    e = module.engine
+    assert e.n_replicas == 4 and e.step_count == 40
+    assert e.bases["lr"] != 1.0  # the four replicas explored and the search moved the lr
+    for rep in e.replicas[1:]:  # converged at the end: every replica holds the consensus
+        for p, q in zip(e.replicas[0].model.parameters(), rep.model.parameters()):
+            assert torch.equal(p, q)
+    assert e.replicas[0].model is module.net  # replica 0 is the module's own network
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    assert float([r for r in rows if r.get("hpx/lr_base")][-1]["hpx/lr_base"]) == pytest.approx(e.bases["lr"])
