@@ -1,3 +1,22 @@
 """Integrations with training frameworks. Each module imports its framework only when used:
 ``hpx.integrations.lightning`` (PyTorch Lightning) and ``hpx.integrations.transformers``
 (the Hugging Face ``Trainer``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+
+def _callback_problems(loss_fn: Any, probe: Any, settings: dict[str, Any], reserved: tuple[str, ...],
+                       model: str) -> list[str]:
+    """What is wrong with an AutoLR callback's arguments (shared by the integrations)."""
+    problems = []
+    if probe is None or not isinstance(probe, Iterable):
+        problems.append(f"probe must be held-out batches (a list of a few validation batches; "
+                        f"got {type(probe).__name__})")
+    if not callable(loss_fn):
+        problems.append(f"loss_fn must be a function ({model}, batch) -> loss (got {type(loss_fn).__name__})")
+    problems += [f"{key} is set by the callback from the trainer; remove {key}=..."
+                 for key in reserved if key in settings]
+    return problems

@@ -36,6 +36,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning 
     raise ImportError("hpx.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
 
 from hpx.errors import ConfigError
+from hpx.integrations import _callback_problems
 from hpx.sync_record import SyncRecord
 
 __all__ = ["AutoLR"]
@@ -59,16 +60,8 @@ class AutoLR(pl.Callback):
     def __init__(self, loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor], *,
                  probe: Iterable[Any], total_steps: int | None = None,
                  **settings: Any) -> None:
-        problems = []
-        if probe is None or not isinstance(probe, Iterable):
-            problems.append(f"probe must be held-out batches (a list of a few validation batches; "
-                            f"got {type(probe).__name__})")
-        if not callable(loss_fn):
-            problems.append(f"loss_fn must be a function (module, batch) -> loss "
-                            f"(got {type(loss_fn).__name__})")
-        for key in ("backend", "replicas", "schedule", "loss_fn"):
-            if key in settings:
-                problems.append(f"{key} is set by the callback from the trainer; remove {key}=...")
+        reserved = ("backend", "replicas", "schedule", "loss_fn")
+        problems = _callback_problems(loss_fn, probe, settings, reserved, "module")
         ConfigError.check(problems)
         self.loss_fn, self.probe, self.total_steps, self.settings = loss_fn, probe, total_steps, settings
         self.engine: Any = None

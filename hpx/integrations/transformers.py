@@ -41,6 +41,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise ImportError("hpx.integrations.transformers needs transformers: pip install transformers") from e
 
 from hpx.errors import ConfigError
+from hpx.integrations import _callback_problems
 from hpx.sync_record import SyncRecord
 
 __all__ = ["AutoLR"]
@@ -64,16 +65,8 @@ class AutoLR(TrainerCallback):
 
     def __init__(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, probe: Iterable[Any],
                  **settings: Any) -> None:
-        problems = []
-        if probe is None or not isinstance(probe, Iterable):
-            problems.append(f"probe must be held-out batches (a list of a few validation batches; "
-                            f"got {type(probe).__name__})")
-        if not callable(loss_fn):
-            problems.append(f"loss_fn must be a function (model, batch) -> loss "
-                            f"(got {type(loss_fn).__name__})")
-        for key in ("backend", "replicas", "schedule", "loss_fn", "total_steps", "mode"):
-            if key in settings:
-                problems.append(f"{key} is set by the callback from the Trainer; remove {key}=...")
+        reserved = ("backend", "replicas", "schedule", "loss_fn", "total_steps", "mode")
+        problems = _callback_problems(loss_fn, probe, settings, reserved, "model")
         ConfigError.check(problems)
         self.loss_fn, self.probe, self.settings = loss_fn, probe, settings
         self.engine: Any = None

@@ -41,18 +41,15 @@ optimum is bracketed, the way a line search brackets a minimum:
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
 from typing import Any
 
 import torch
 
 from hpx.errors import ConfigError
+from hpx.search._util import is_int, is_real, parabola_min
 from hpx.search.base import Decision, SyncView, worst_filled
 
 __all__ = ["Bracket"]
-
-_GRID = 201  # points on which the fitted parabola's minimum is looked up
-
 
 class Bracket:
     """Find each knob's value in a bracketing window early in the run, then hold it.
@@ -102,24 +99,24 @@ class Bracket:
         ranks: bool = True,
     ) -> None:
         problems = []
-        if not _is_int(total_steps) or total_steps < 1:
+        if not is_int(total_steps) or total_steps < 1:
             problems.append(f"total_steps must be an integer >= 1 (got {total_steps!r})")
-        if not _is_int(every) or every < 1:
+        if not is_int(every) or every < 1:
             problems.append(f"every must be an integer >= 1 (got {every!r}): steps between the syncs")
-        if not _is_real(span) or span <= 1:
+        if not is_real(span) or span <= 1:
             problems.append(f"span must be a number > 1 (got {span!r}): the bracket runs from "
                             "base / span to base * span")
-        if not _is_int(syncs) or syncs < 1:
+        if not is_int(syncs) or syncs < 1:
             problems.append(f"syncs must be an integer >= 1 (got {syncs!r})")
-        if not _is_int(burn_in) or burn_in < 0:
+        if not is_int(burn_in) or burn_in < 0:
             problems.append(f"burn_in must be an integer >= 0 (got {burn_in!r})")
-        if not _is_real(interior) or not 0 <= interior < 1:
+        if not is_real(interior) or not 0 <= interior < 1:
             problems.append(f"interior must be a number in [0, 1) (got {interior!r})")
-        if not _is_real(hold_span) or hold_span < 1:
+        if not is_real(hold_span) or hold_span < 1:
             problems.append(f"hold_span must be a number >= 1 (got {hold_span!r})")
-        if not _is_real(hold_spread) or hold_spread < 0:
+        if not is_real(hold_spread) or hold_spread < 0:
             problems.append(f"hold_spread must be a number >= 0 (got {hold_spread!r})")
-        if not _is_int(hold_syncs) or hold_syncs < 1:
+        if not is_int(hold_syncs) or hold_syncs < 1:
             problems.append(f"hold_syncs must be an integer >= 1 (got {hold_syncs!r})")
         if merge not in ("mean", "best"):
             problems.append(f"merge must be 'mean' or 'best' (got {merge!r})")
@@ -254,16 +251,5 @@ class Bracket:
             s = s.argsort().argsort().to(torch.float64)
         y = (s - s.mean()) / s.std()
         zn = z / w  # in [-1, 1]: keeps the fit well conditioned at any scale
-        cols = [torch.ones_like(zn), zn] + ([zn * zn] if distinct >= 3 else [])
-        coef = torch.linalg.lstsq(torch.stack(cols, 1), y[:, None]).solution.reshape(-1)
-        grid = torch.linspace(-1.0, 1.0, _GRID, dtype=torch.float64)
-        pred = coef[0] + coef[1] * grid + (coef[2] * grid * grid if distinct >= 3 else 0.0)
-        return float(grid[int(pred.argmin())]) * w
+        return parabola_min(zn, y, distinct >= 3) * w
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)

@@ -42,18 +42,15 @@ trained on slightly rewards the stretched points, and one batch is noisier than 
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
 from typing import Any
 
 import torch
 
 from hpx.errors import ConfigError
+from hpx.search._util import is_int, is_real, parabola_min
 from hpx.search.base import Decision, SyncView, worst_filled
 
 __all__ = ["Stretch"]
-
-_GRID = 201  # points on which the fitted parabola's minimum is looked up
-
 
 class Stretch:
     """Move the learning rate toward the scale the whole run so far says is best, early in
@@ -93,21 +90,21 @@ class Stretch:
         knob: str | None = None,
     ) -> None:
         problems = []
-        if not _is_int(total_steps) or total_steps < 1:
+        if not is_int(total_steps) or total_steps < 1:
             problems.append(f"total_steps must be an integer >= 1 (got {total_steps!r})")
-        if not _is_real(until) or not 0 < until <= 1:
+        if not is_real(until) or not 0 < until <= 1:
             problems.append(f"until must be a share of the run in (0, 1] (got {until!r})")
-        if not _is_int(syncs) or syncs < 1:
+        if not is_int(syncs) or syncs < 1:
             problems.append(f"syncs must be an integer >= 1 (got {syncs!r})")
-        if not _is_real(span) or span <= 1:
+        if not is_real(span) or span <= 1:
             problems.append(f"span must be a number > 1 (got {span!r}): replicas are scored from "
                             "1/span to span times the run's displacement")
-        if not _is_real(burn_in) or not 0 <= burn_in < 1:
+        if not is_real(burn_in) or not 0 <= burn_in < 1:
             problems.append(f"burn_in must be a share of the run in [0, 1) (got {burn_in!r})")
-        if not _is_real(guard_until) or not (_is_real(until) and until <= guard_until <= 1):
+        if not is_real(guard_until) or not (is_real(until) and until <= guard_until <= 1):
             problems.append(f"guard_until must be a share of the run in [until, 1] (got {guard_until!r} "
                             f"with until={until!r}): where the shrink-only phase ends")
-        if not _is_int(hold_syncs) or hold_syncs < 1:
+        if not is_int(hold_syncs) or hold_syncs < 1:
             problems.append(f"hold_syncs must be an integer >= 1 (got {hold_syncs!r})")
         if knob is not None and not isinstance(knob, str):
             problems.append(f"knob must be a knob's name or None (got {knob!r})")
@@ -217,11 +214,7 @@ class Stretch:
         w = float(z.abs().max())
         y = (s - s.mean()) / s.std()
         zn = z / w
-        cols = [torch.ones_like(zn), zn] + ([zn * zn] if z.numel() >= 3 else [])
-        coef = torch.linalg.lstsq(torch.stack(cols, 1), y[:, None]).solution.reshape(-1)
-        grid = torch.linspace(-1.0, 1.0, _GRID, dtype=torch.float64)
-        pred = coef[0] + coef[1] * grid + (coef[2] * grid * grid if z.numel() >= 3 else 0.0)
-        return float(grid[int(pred.argmin())]) * w
+        return parabola_min(zn, y, z.numel() >= 3) * w
 
 
 def _landing(rho: torch.Tensor, target: float, finite: torch.Tensor) -> torch.Tensor:
@@ -244,10 +237,3 @@ def _landing(rho: torch.Tensor, target: float, finite: torch.Tensor) -> torch.Te
     w[lo], w[hi] = 1.0 - t, t
     return w
 
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
