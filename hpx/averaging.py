@@ -54,6 +54,9 @@ def average_(
         raise ValueError(f"total_weight must be > 0 (got {total_weight})")
     write = [True] * len(replicas) if write is None else list(write)
     first = replicas[0]
+    if collective.world_size == 1 and not any(t.dtype in _LOW_PRECISION for t in first):
+        _average_local_(replicas, weights, total_weight, write)
+        return
     plan = plan_buckets(first, int(bucket_cap_mb * 2**20))
     sums = []
     for idx in plan:
@@ -74,6 +77,24 @@ def average_(
                 sources = [p.view(t.shape).to(t.dtype) for p, t in zip(parts, targets)]
                 with torch.no_grad():
                     torch._foreach_copy_(targets, sources)
+
+
+@torch.no_grad()
+def _average_local_(replicas: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
+                    total_weight: float, write: Sequence[bool]) -> None:
+    """One process: the same sum, in the same order, with foreach ops on the tensors
+    themselves (one extra copy of a replica's tensors; no flat buffers to build and split)."""
+    live = [(rep, w) for rep, w in zip(replicas, weights) if w != 0]
+    if not live:
+        return
+    (rep0, w0), rest = live[0], live[1:]
+    acc = torch._foreach_mul([t.detach() for t in rep0], w0)  # 0 + w0 * x0, as the flat path
+    for rep, w in rest:
+        torch._foreach_add_(acc, [t.detach() for t in rep], alpha=w)
+    torch._foreach_div_(acc, total_weight)
+    for rep, do in zip(replicas, write):
+        if do:
+            torch._foreach_copy_(list(rep), acc)
 
 
 def broadcast_(tensors: Sequence[torch.Tensor], collective: Collective, src: int = 0,

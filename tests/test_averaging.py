@@ -1,0 +1,51 @@
+"""The converge step's weighted average: the one-process foreach path against the flat-bucket path."""
+
+from __future__ import annotations
+
+import torch
+
+from hpx.averaging import average_
+
+
+class _Identity:
+    """A collective of one process that claims two, so average_ takes its flat-bucket path."""
+
+    rank, world_size = 0, 2
+
+    def all_reduce_sum_(self, tensors):
+        return None
+
+
+def _replicas(seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(7, 3), (5,), (2, 2, 2)]
+    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(4)]
+
+
+def test_one_process_path_equals_the_bucket_path_with_weights_and_a_write_mask():
+    weights, write = [1.0, 0.0, 2.0, 1.0], [True, True, False, True]
+    local, flat = _replicas(0), _replicas(0)
+    before = [t.clone() for t in local[2]]
+    average_(local, weights, 4.0, _InProcess(), write=write)
+    average_(flat, weights, 4.0, _Identity(), write=write, bucket_cap_mb=1e-5)  # several buckets
+    for a, b in zip(local, flat):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+    for x, y in zip(local[2], before):  # not written: kept as it was
+        assert torch.equal(x, y)
+    expected = (_replicas(0)[0][0] + 2 * _replicas(0)[2][0] + _replicas(0)[3][0]) / 4
+    torch.testing.assert_close(local[0][0], expected, rtol=0, atol=1e-6)  # replica 1 (weight 0) left out
+
+
+def test_a_nan_replica_with_weight_zero_does_not_reach_the_mean():
+    reps = _replicas(1)
+    reps[3][1][0] = float("nan")
+    average_(reps, [1.0, 1.0, 1.0, 0.0], 3.0, _InProcess())
+    assert all(torch.isfinite(t).all() for rep in reps for t in rep)
+
+
+class _InProcess:
+    rank, world_size = 0, 1
+
+    def all_reduce_sum_(self, tensors):
+        return None
