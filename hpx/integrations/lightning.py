@@ -13,7 +13,8 @@ replicas that find the learning rate (:func:`hpx.autolr`'s search).
 Each process Lightning runs (``devices=N``) is one replica; the callback builds an
 :class:`~hpx.Engine` around Lightning's own DDP-wrapped model and optimizer when fitting starts,
 reads each training step's loss, lets the search move the learning rate at its syncs, logs the
-knob's base and the learning rate each replica used through the trainer's loggers, and saves
+knob's base (``hpx/lr_base``) and the learning rate the last step used (``hpx/lr``, parameter group 0)
+through the trainer's loggers, and saves
 its state in Lightning's checkpoints. The learning-rate schedule the module configures (one
 scheduler, stepped every step) is taken over: hpx follows its shape and scales it, and
 Lightning no longer steps it.
@@ -140,8 +141,12 @@ class AutoLR(pl.Callback):
         if trainer is None or not trainer.loggers:
             return
         metrics = {f"hpx/{name}_base": float(base) for name, base in record.bases.items()}
-        for name, values in record.applied.items():  # what each replica used at the last step
-            for r, v in enumerate(values):
-                metrics[f"hpx/{name}_applied/replica{r}"] = float(v)
+        metrics["hpx/lr"] = _lr(trainer.optimizers[0])  # what the last step before the sync used
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=trainer.global_step)
+
+
+def _lr(optimizer: torch.optim.Optimizer) -> float:
+    """Parameter group 0's learning rate."""
+    lr = optimizer.param_groups[0]["lr"]
+    return float(lr.item() if torch.is_tensor(lr) else lr)

@@ -16,13 +16,14 @@ it resumes from), the callback builds an :class:`~hpx.Engine` on the Trainer's m
 optimizer, following the shape of the Trainer's learning-rate schedule and scaling it; after
 every optimizer step it advances the engine, which writes the learning rate the next step
 uses. The Trainer's DDP averages the gradients; hpx only moves the learning rate and, at its
-syncs, places and averages the weights. At each sync the knob's base and the learning rate
-each replica used are appended to ``state.log_history`` (saved with the Trainer's state);
+syncs, places and averages the weights. At each sync the knob's base (``hpx/lr_base``) and the
+learning rate the last step used (``hpx/lr``, parameter group 0) are appended to ``state.log_history``
+(saved with the Trainer's state);
 hpx's own state is saved beside every checkpoint the Trainer writes and restored when training
 resumes from it.
 
 The Trainer's own ``learning_rate`` log shows its scheduler's value, not the scaled one hpx
-writes; ``hpx/lr_applied/replica0`` is the one used. In one process there is one replica and
+writes; ``hpx/lr`` is the one used. In one process there is one replica and
 nothing to explore (the callback warns).
 """
 
@@ -72,6 +73,7 @@ class AutoLR(TrainerCallback):
         self.engine: Any = None
         self._model: torch.nn.Module | None = None
         self._state: Any = None
+        self._optimizer: Any = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: torch.nn.Module | None = None,
                        optimizer: Any = None, lr_scheduler: Any = None, **kwargs: Any) -> None:
@@ -94,6 +96,7 @@ class AutoLR(TrainerCallback):
                           "replica and nothing to explore; launch several processes with torchrun",
                           stacklevel=2)
         self._model, self._state = model, state
+        self._optimizer = getattr(optimizer, "optimizer", optimizer)
         on_sync = self.settings.pop("on_sync", ())
         extra = list(on_sync) if isinstance(on_sync, (list, tuple)) else [on_sync]
         inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps the optimizer
@@ -130,7 +133,6 @@ class AutoLR(TrainerCallback):
     def _log(self, record: SyncRecord) -> None:
         entry: dict[str, Any] = {"step": record.step}
         entry.update({f"hpx/{name}_base": float(base) for name, base in record.bases.items()})
-        for name, values in record.applied.items():
-            for r, v in enumerate(values):
-                entry[f"hpx/{name}_applied/replica{r}"] = float(v)
+        lr = self._optimizer.param_groups[0]["lr"]  # what the last step before the sync used
+        entry["hpx/lr"] = float(lr.item() if torch.is_tensor(lr) else lr)
         self._state.log_history.append(entry)

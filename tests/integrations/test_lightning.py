@@ -40,7 +40,19 @@ def test_two_ddp_processes_explore_agree_and_log(tmp_path):
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     logged = [float(r["hpx/lr_base"]) for r in rows if r.get("hpx/lr_base")]
     assert len(logged) == len(ranks[0]["steps"]) and logged[-1] == pytest.approx(ranks[0]["bases"]["lr"])
-    assert any(k.startswith("hpx/lr_applied/replica1") for k in rows[0])
+    # hpx/lr: the lr the last step before the sync used: OneCycle's there times the base then
+    ref = Digits(lr=0.005, steps=steps).configure_optimizers()["lr_scheduler"]["scheduler"]
+    onecycle = [ref.get_last_lr()[0]]
+    for _ in range(steps - 1):
+        ref.optimizer.step()
+        ref.step()
+        onecycle.append(ref.get_last_lr()[0])
+    checked = [(int(r["step"]), float(r["hpx/lr"]), float(r["hpx/lr_base"])) for r in rows if r.get("hpx/lr")]
+    assert len(checked) == len(logged)
+    before = 1.0
+    for step, lr, base in checked:
+        assert lr == pytest.approx(onecycle[step - 1] * before, rel=1e-6)
+        before = base
 
 
 def test_one_process_warns_and_follows_the_modules_schedule(tmp_path):
