@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 
 def _callback_problems(loss_fn: Any, probe: Any, settings: dict[str, Any], reserved: tuple[str, ...],
                        model: str) -> list[str]:
@@ -20,3 +22,9 @@ def _callback_problems(loss_fn: Any, probe: Any, settings: dict[str, Any], reser
     problems += [f"{key} is set by the callback from the trainer; remove {key}=..."
                  for key in reserved if key in settings]
     return problems
+
+
+def _lr(optimizer: Any) -> float:
+    """Parameter group 0's learning rate (a float or a tensor in the group)."""
+    lr = optimizer.param_groups[0]["lr"]
+    return float(lr.item() if torch.is_tensor(lr) else lr)

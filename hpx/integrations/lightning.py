@@ -37,7 +37,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning 
     raise ImportError("hpx.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
 
 from hpx.errors import ConfigError
-from hpx.integrations import _callback_problems
+from hpx.integrations import _callback_problems, _lr
 from hpx.sync_record import SyncRecord
 
 __all__ = ["AutoLR"]
@@ -144,9 +144,3 @@ class AutoLR(pl.Callback):
         metrics["hpx/lr"] = _lr(trainer.optimizers[0])  # what the last step before the sync used
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=trainer.global_step)
-
-
-def _lr(optimizer: torch.optim.Optimizer) -> float:
-    """Parameter group 0's learning rate."""
-    lr = optimizer.param_groups[0]["lr"]
-    return float(lr.item() if torch.is_tensor(lr) else lr)

@@ -42,7 +42,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise ImportError("hpx.integrations.transformers needs transformers: pip install transformers") from e
 
 from hpx.errors import ConfigError
-from hpx.integrations import _callback_problems
+from hpx.integrations import _callback_problems, _lr
 from hpx.sync_record import SyncRecord
 
 __all__ = ["AutoLR"]
@@ -133,6 +133,5 @@ class AutoLR(TrainerCallback):
     def _log(self, record: SyncRecord) -> None:
         entry: dict[str, Any] = {"step": record.step}
         entry.update({f"hpx/{name}_base": float(base) for name, base in record.bases.items()})
-        lr = self._optimizer.param_groups[0]["lr"]  # what the last step before the sync used
-        entry["hpx/lr"] = float(lr.item() if torch.is_tensor(lr) else lr)
+        entry["hpx/lr"] = _lr(self._optimizer)  # what the last step before the sync used
         self._state.log_history.append(entry)
