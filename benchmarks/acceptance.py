@@ -6,7 +6,7 @@
 
 On each task: a 9-point grid of plain runs (2 seeds) picks the oracle lr (best mean validation
 loss). Then, started at the oracle's lr, 10x below and 10x above it, two seeds each: plain
-training at that lr, and one ``hpx.autolr`` run (4 replicas in one process, the task's schedule,
+training at that lr, and one ``hpx.autolr`` run (one model in one process, the task's schedule,
 its probe split, no per-task settings). The criteria:
 
 1. do no harm: hpx's mean final validation loss <= 1.02x plain's at the same start in at least
@@ -154,7 +154,8 @@ def section(cfg: SuiteConfig, a: dict, command: str, wall: float) -> str:
         "Each task: a grid of plain runs over 10x below to 10x above a centre (2 seeds) picks the",
         "oracle (best mean validation loss). From the oracle's lr, 10x below and 10x above it, two",
         "seeds each: plain training at that lr, and one `hpx.autolr` run with the task's schedule",
-        "and probe split, 4 replicas in one process and nothing set per task. Tasks: "
+        "and probe split, one model in one process (autolr's default: it scores its 4 points in",
+        "turn) and nothing set per task. Tasks: "
         + "; ".join(f"**{t}**: {get_task(t).title}, {get_task(t, **dict(cfg.ov(t))).steps} steps"
                     for t in cfg.tasks) + ".",
         "",
@@ -173,10 +174,10 @@ def section(cfg: SuiteConfig, a: dict, command: str, wall: float) -> str:
         "Criteria 1-3 count the three suite tasks (mlp, charlm, cnn); the gru and tabular tasks are",
         "reported alike: the recommended setup was not designed on the gru; the tabular task (a few",
         "hundred rows trained for 156 epochs) was added to test it where a fast start overfits by the",
-        "end, and it is where the setup is weakest. Plain training of the cnn (and its grid)",
-        "runs in hpx's layout, 4 replicas of 16 examples, as plain DDP on 4 devices would: its",
-        "BatchNorm statistics depend on the per-replica batch (4 x 16 with nothing explored ends",
-        "28% above one process with the whole batch of 64 at the oracle's lr).",
+        "end, and it is where the setup is weakest. The cnn (plain, its grid and hpx) runs as 4",
+        "replicas of 16 examples in one process, as plain DDP on 4 devices would: its BatchNorm",
+        "statistics depend on the per-replica batch (4 x 16 with nothing explored ends 28% above",
+        "one process with the whole batch of 64 at the oracle's lr).",
         "",
         "| task | start | plain at start | oracle (lr) | hpx per seed | hpx / plain | hpx / oracle "
         "| ended lr (x oracle) | compute (x grid) |",

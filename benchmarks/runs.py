@@ -172,12 +172,14 @@ def _factory_at(task: Task, lr: float):
 
 def _build_autolr(task: Task, spec: RunSpec, model) -> hpx.Engine:
     """The recommended setup, as a user would write it: hpx.autolr with the task's schedule and
-    probe split, nothing set per task."""
+    probe split, nothing set per task: one model in one process (autolr's default; it scores its
+    4 points in turn), or plain training's layout where the task has one (the BatchNorm CNN)."""
     def probe_fn(rep, batch):
         return task.probe_loss(rep.model, batch)
 
+    layout = {"replicas": task.plain_replicas} if task.plain_replicas > 1 else {}
     return hpx.autolr(model, _factory_at(task, spec.lr), total_steps=task.steps, schedule=task.schedule(),
-                      probe=task.probe_batches(), loss_fn=probe_fn, replicas=REPLICAS, seed=spec.seed)
+                      probe=task.probe_batches(), loss_fn=probe_fn, seed=spec.seed, **layout)
 
 
 def _run_hpx(task: Task, spec: RunSpec) -> dict[str, Any]:
@@ -218,7 +220,7 @@ def _drive(task: Task, spec: RunSpec, engine: hpx.Engine, signal: Any, signal_ki
     points = _eval_points(task)
     observe = getattr(signal, "observe", None)
     diverged = False
-    acc = torch.zeros(REPLICAS)
+    acc = torch.zeros(engine.n_local)
     try:
         for t in range(steps):
             batch = task.sample(gen, task.batch)
@@ -245,5 +247,5 @@ def _drive(task: Task, spec: RunSpec, engine: hpx.Engine, signal: Any, signal_ki
         "history": [asdict(r) for r in engine.history],
         "end_lr": {k: b * scale if k.startswith("lr") else b for k, b in engine.bases.items()},
         "train_samples": steps * task.batch,
-        "signal_samples": syncs * signal_cost(signal_kind, task, REPLICAS),
+        "signal_samples": syncs * signal_cost(signal_kind, task, REPLICAS),  # autolr: 4 points too
     }

@@ -1,12 +1,12 @@
-"""hpx on real data in one process: an MLP on scikit-learn's digits, 4 replicas on the CPU.
+"""hpx on real data in one process: an MLP on scikit-learn's digits, one model on the CPU.
 
 The recommended setup, ``hpx.autolr``: build the optimizer with the learning rate you
 would have used (here 10x below a good one), give the schedule and a few held-out
-batches, and train. In the first 40% of the run the replicas are scored at the run's
-displacement shrunk and stretched, and the base moves to the scale that scores best;
-until 90% only a shrink that scores better moves it; the rest is plain data-parallel
-training at that value. For comparison the
-script also trains the same model plainly at the starting learning rate.
+batches, and train. In the first 40% of the run the model is scored at 4 points of the
+run's displacement, shrunk and stretched, and the learning rate moves to the scale that
+scores best; until 90% only a shrink that scores better moves it; the rest is plain
+training at that value. For comparison the script also trains the same model plainly at
+the starting learning rate, on the same batches.
 
     python examples/digits.py                 # about 10 s on one CPU core
     python examples/digits.py --lr 0.3        # start near a good value instead
@@ -59,7 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lr", type=float, default=0.03, help="starting (peak) SGD learning rate")
     ap.add_argument("--steps", type=int, default=1200)
-    ap.add_argument("--batch", type=int, default=64, help="global batch, split among the replicas")
+    ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="runs/digits", help="where to write the history and plot")
     args = ap.parse_args()
@@ -72,21 +72,22 @@ def main() -> None:
         x, y = batch
         return F.cross_entropy(rep.model(x), y)
 
+    model = make_model(args.seed)
     engine = hpx.autolr(
-        make_model(args.seed),
-        lambda m: torch.optim.SGD(m.parameters(), lr=args.lr, momentum=0.9),  # built once per replica
+        model,
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
         total_steps=args.steps,
         schedule=schedule,
-        probe=[probe],          # replicas compared on the same held-out batch
+        probe=[probe],          # the points are compared on the same held-out batch
         seed=args.seed,
     )
 
     gen = torch.Generator().manual_seed(args.seed)
     start = time.perf_counter()
-    print(f"{engine.n_replicas} replicas, {args.steps} steps, start lr {args.lr:g}")
+    print(f"{args.steps} steps, start lr {args.lr:g}")
     for _ in range(args.steps):
         idx = torch.randint(0, len(yt), (args.batch,), generator=gen)
-        engine.step(loss_fn, (xt[idx], yt[idx]))  # the batch is split among the replicas
+        engine.step(loss_fn, (xt[idx], yt[idx]))
         rec = engine.history[-1] if engine.history else None
         if rec is not None and rec.step == engine.step_count and rec.phase != "hold":
             lr = rec.bases["lr"] * args.lr

@@ -520,10 +520,12 @@ class Engine:
 
     # --- the sync ----------------------------------------------------------------------
 
-    def _gather_scores(self, batch: Any,
-                       loss_fn: LossFn | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _gather_scores(self, batch: Any, loss_fn: LossFn | None,
+                       placed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[N]`` scores, weight health (finite iff the weights are) and non-finite loss
-        counts of every replica, in one gather."""
+        counts of every replica, in one gather. With ``placed`` (``[P]`` multipliers, ``P`` a
+        multiple of ``N``), the scores are the ``P`` points' instead, scored in ``P / N`` rounds
+        (point ``p`` by replica ``p % N`` in round ``p // N``)."""
         counts = torch.tensor(self._acc_n, dtype=self._acc.dtype, device=self._acc.device) - self._bad
         # the mean over the interval's finite losses; nan for a replica that had none
         interval = torch.where(counts > 0, self._acc / counts.clamp_min(1), math.nan)
@@ -535,16 +537,26 @@ class Engine:
                  "where a framework calls scheduler.step() with no loss, compare replicas on held-out "
                  "data instead: signal=hpx.ProbeStream(val_batches, loss_fn=...)"]
             )
-        if self._controls_now():
-            ctx = SyncContext(self.replicas, interval, batch, loss_fn, self.collective, self.step_count)
-            scores = self.signal.measure(ctx).detach().reshape(-1).to(self._acc.device, torch.float32)
-        else:  # the search will not read them: the interval's loss (free) stands in, for the record
-            scores = interval.to(torch.float32)
-        if scores.numel() != self.n_local:
-            raise ValueError(f"signal returned {scores.numel()} scores for {self.n_local} local replicas")
-        rows = torch.stack([scores, self._health().to(scores), self._bad.to(scores)])
-        rows = self.collective.all_gather(rows).to("cpu", torch.float64)  # [W, 3, L]: the host read
-        return rows[:, 0, :].reshape(-1), rows[:, 1, :].reshape(-1), rows[:, 2, :].reshape(-1)
+        rounds = 1 if placed is None else placed.numel() // self.n_replicas
+        measured = []
+        for j in range(rounds):
+            if placed is not None:
+                self._move_to(placed[j * self.n_replicas:(j + 1) * self.n_replicas],
+                              None if j == 0 else placed[(j - 1) * self.n_replicas:j * self.n_replicas])
+            if self._controls_now():
+                ctx = SyncContext(self.replicas, interval, batch, loss_fn, self.collective,
+                                  self.step_count, round=j)
+                scores = self.signal.measure(ctx).detach().reshape(-1).to(self._acc.device, torch.float32)
+            else:  # the search will not read them: the interval's loss (free) stands in, for the record
+                scores = interval.to(torch.float32)
+            if scores.numel() != self.n_local:
+                raise ValueError(f"signal returned {scores.numel()} scores for {self.n_local} local replicas")
+            measured.append(scores)
+        rows = torch.stack([*measured, self._health().to(scores), self._bad.to(scores)])
+        rows = self.collective.all_gather(rows).to("cpu", torch.float64)  # [W, R + 2, L]: the host read
+        # point p = j N + g sits at [rank of g, round j, local index of g]
+        scores = rows[:, :rounds, :].transpose(0, 1).reshape(-1)
+        return scores, rows[:, rounds, :].reshape(-1), rows[:, rounds + 1, :].reshape(-1)
 
     def _converge(self, weights: torch.Tensor, *, average: bool) -> None:
         """Set replicas to the ``weights``-weighted mean of all replicas (``[N]``, >= 0; a
@@ -569,9 +581,12 @@ class Engine:
 
     def _sync(self, batch: Any, loss_fn: LossFn | None) -> None:
         cfg = self.config
-        if self._placement is not None and self._controls_now():
-            self._place(self._placement)
-        scores, health, bad_steps = self._gather_scores(batch, loss_fn)
+        # a placement: score points on the run's displacement (the replicas are first averaged)
+        placed = self._placement if self._placement is not None and self._controls_now() else None
+        reset: list[int] = []
+        if placed is not None:
+            reset = self._consensus()
+        scores, health, bad_steps = self._gather_scores(batch, loss_fn, placed)
         sound = torch.isfinite(health)  # finite weights and buffers
         if not sound.any():
             raise NonFiniteError(
@@ -579,17 +594,20 @@ class Engine:
                 "nothing is left to reset them from. Lower the learning rate or its spread, or check "
                 "the data for NaN/inf"
             )
-        # A replica with more non-finite losses than the best one, or a non-finite score, is
-        # evidence against its values: the search sees it as the worst, the merge leaves it
-        # out. Steps at which every replica's loss was non-finite blame no one (bad data).
-        finite = sound & torch.isfinite(scores) & (bad_steps <= bad_steps.min())
+        if placed is None:
+            # A replica with more non-finite losses than the best one, or a non-finite score, is
+            # evidence against its values: the search sees it as the worst, the merge leaves it
+            # out. Steps at which every replica's loss was non-finite blame no one (bad data).
+            finite = sound & torch.isfinite(scores) & (bad_steps <= bad_steps.min())
+        else:  # every point is a sound consensus moved along a line: each score counts as it is
+            finite = torch.isfinite(scores)
         if not finite.any():  # weights fine, no comparison possible: merge the sound ones, move nothing
             log.warning("step %d: no replica has a finite score (scores %s); check the signal's data "
                         "(the training batches or the probe) for NaN/inf. The replicas are averaged "
                         "and the search sees no preference", self.step_count, scores.tolist())
-            finite = sound
+            finite = sound if placed is None else finite
             scores = torch.full_like(scores, math.nan)
-        bad = (~finite).nonzero().reshape(-1).tolist()
+        bad = reset if placed is not None else (~finite).nonzero().reshape(-1).tolist()
         if bad:
             log.warning("step %d: replica(s) %s non-finite; left out and reset from the mean of the rest",
                         self.step_count, bad)
@@ -598,14 +616,21 @@ class Engine:
         rec = SyncRecord(
             step=self.step_count, bases={}, values={n: self._values[i].tolist() for i, n in enumerate(names)},
             scores=scores.tolist(), nonfinite=bad, spreads={k.name: k.spread for k in self.knobs},
+            points=None if placed is None else placed.tolist(),
             applied={k.name: [v * self._scales[i] for v in self._values[i].tolist()]  # the last step's
                      for i, k in enumerate(self.knobs)},
             wall=time.perf_counter() - self._t0,
             metrics={k: float(v) for k, v in self._metrics.items()} or None,  # read here, at the sync
         )
         self._metrics = {}
-        decision = self.search.decide(self._view(self._values, scores))
-        self._converge(self._merge_weights(decision, finite), average=cfg.average)
+        decision = self.search.decide(self._view(self._values, scores, placed))
+        if placed is None:
+            if decision.land is not None:
+                raise ValueError(f"the search gave land={decision.land!r} at a sync that scored no placed "
+                                 "points (land picks a point on the displacement a placement scored)")
+            self._converge(self._merge_weights(decision, finite), average=cfg.average)
+        else:
+            self._land(decision, placed)
         self._apply(decision)
         info = decision.info
         rec.weights, rec.sigma, rec.direction = info.get("weights"), info.get("sigma"), info.get("direction")
@@ -629,20 +654,39 @@ class Engine:
             self.collective.check_same(
                 state, f"knob bases and permutations after the sync at step {self.step_count}")
 
-    @torch.no_grad()
-    def _place(self, rho: torch.Tensor) -> None:
-        """Average the replicas, then set replica ``r``'s parameters to ``anchor + rho_r *
-        (consensus - anchor)`` (buffers stay at the consensus) for the signal to score."""
+    def _consensus(self) -> list[int]:
+        """Average the replicas whose weights are finite into every replica (before points
+        are placed); the global indices of those left out."""
         health = self.collective.all_gather(self._health()).to("cpu", torch.float64).reshape(-1)
         sound = torch.isfinite(health)
-        if not sound.any():
-            return  # the sync that follows raises NonFiniteError
-        self._converge(sound.to(torch.float64), average=True)
+        if sound.any():  # else the sync raises NonFiniteError after the gather
+            self._converge(sound.to(torch.float64), average=True)
+        return (~sound).nonzero().reshape(-1).tolist() if sound.any() else []
+
+    @torch.no_grad()
+    def _move_to(self, rho: torch.Tensor, were: torch.Tensor | None) -> None:
+        """Move local replica ``i``'s parameters from ``anchor + were[g] (theta - anchor)`` (the
+        consensus ``theta`` when ``were`` is None) to ``anchor + rho[g] (theta - anchor)``,
+        ``g`` its global index (``rho``, ``were``: ``[N]``). Buffers stay where they are."""
         assert self._anchor is not None
         for i, rep in enumerate(self.replicas):
-            r = float(rho[self._first + i])
-            if r != 1.0:  # p <- anchor + r (p - anchor) = lerp(p, anchor, 1 - r)
-                torch._foreach_lerp_([p for p in rep.model.parameters()], self._anchor, 1.0 - r)
+            g = self._first + i
+            f = float(rho[g]) / (1.0 if were is None else float(were[g]))
+            if f != 1.0:  # p <- anchor + f (p - anchor) = lerp(p, anchor, 1 - f)
+                torch._foreach_lerp_([p for p in rep.model.parameters()], self._anchor, 1.0 - f)
+
+    def _land(self, decision: Decision, placed: torch.Tensor) -> None:
+        """After a placed sync: every replica to ``anchor + land (theta - anchor)``, identical."""
+        if decision.merge is not None:
+            raise ValueError("the search gave merge weights at a sync that scored placed points: give "
+                             "land=, the multiplier of the displacement the consensus moves to")
+        land = 1.0 if decision.land is None else decision.land
+        if not (isinstance(land, (int, float)) and not isinstance(land, bool) and 0 < land < math.inf):
+            raise ValueError(f"the search's land must be a finite number > 0 (got {land!r})")
+        n = self.n_replicas
+        self._move_to(torch.full((n,), float(land), dtype=torch.float64), placed[-n:])
+        if n > 1:  # one lerp per replica from its own point: average so that they agree to the bit
+            self._converge(torch.ones(n, dtype=torch.float64), average=True)
 
     def _keep(self, rec: SyncRecord) -> None:
         """Append ``rec`` to the history (the newest ``history_limit`` stay in memory) and to
@@ -663,7 +707,8 @@ class Engine:
         is only asked for scores then)."""
         return self.search.acts_at(self.step_count + ahead) and any(k.explore for k in self.knobs)
 
-    def _view(self, values: torch.Tensor, scores: torch.Tensor) -> SyncView:
+    def _view(self, values: torch.Tensor, scores: torch.Tensor,
+              placed: torch.Tensor | None = None) -> SyncView:
         knobs = list(self.knobs)
         f64 = torch.float64
         return SyncView(
@@ -674,7 +719,7 @@ class Engine:
             spreads=torch.tensor([k.spread for k in knobs], dtype=f64),
             bases=torch.tensor([k.base for k in knobs], dtype=f64),
             bounds=torch.tensor([[k.low, k.high] for k in knobs], dtype=f64).reshape(len(knobs), 2),
-            values=values, scores=scores,
+            values=values, scores=scores, placement=placed,
         )
 
     def _merge_weights(self, decision: Decision, finite: torch.Tensor) -> torch.Tensor:
@@ -697,9 +742,11 @@ class Engine:
         placement = decision.placement
         if placement is not None:
             rho = torch.as_tensor(placement, dtype=torch.float64).reshape(-1)
-            if rho.numel() != self.n_replicas or not torch.isfinite(rho).all() or (rho <= 0).any():
-                raise ValueError(f"the search's placement must be {self.n_replicas} finite numbers > 0 "
-                                 f"(got {rho.tolist()})")
+            n = self.n_replicas
+            if (rho.numel() < n or rho.numel() % n or not torch.isfinite(rho).all()
+                    or (rho <= 0).any()):
+                raise ValueError(f"the search's placement must be finite numbers > 0, as many as the "
+                                 f"{n} replicas or a multiple (got {rho.tolist()})")
             if not starting and self._anchor is None:
                 raise ValueError("the search asked for a placement, but its start decision (or a later "
                                  "one) did not: the engine no longer holds the run's starting parameters")
@@ -997,9 +1044,9 @@ class Engine:
         placement = state.get("placement")
         if placement is not None and anchor is None:
             problems.append("checkpoint has a placement but no anchor: it is damaged")
-        elif placement is not None and not elastic and len(placement) != self.n_replicas:
+        elif placement is not None and not elastic and len(placement) % self.n_replicas:
             problems.append(f"checkpoint's placement has {len(placement)} multipliers for "
-                            f"{self.n_replicas} replicas")
+                            f"{self.n_replicas} replicas (a multiple is needed)")
         pairs = [(self.replicas[0], s) for s in reps] if elastic else list(zip(self.replicas, reps))
         for i, (r, s) in enumerate(pairs):
             who = f"saved replica {state.get('first', 0) + i}" if elastic else f"replica {self._first + i}"

@@ -5,13 +5,14 @@ Nothing has to be tuned:
 
 * one :class:`~hpx.LearningRateScale` knob, a factor on every parameter group's learning rate
   (base 1: the lr the optimizer was built with, times your schedule);
-* the :class:`~hpx.search.Stretch` strategy: every replica trains at the base value; at 40 syncs
-  in the first 40% of the run the replicas are scored at the run's whole displacement (from the
-  parameters it started from) shrunk and stretched by ``1/span .. span``, and the base moves to
+* the :class:`~hpx.search.Stretch` strategy: the model trains at the base value; at 40 syncs
+  in the first 40% of the run it is scored at 4 points of the run's whole displacement (from the
+  parameters it started from) shrunk and stretched by ``1/span .. span`` (one after the other,
+  or spread over the processes under torch.distributed), and the base moves to
   the best-scoring scale (in the first 10% of the run only down); until 90% of the run the
   syncs go on and act only on shrinks (a learning rate that became too high, or overfitting);
   then the run continues as plain data-parallel training at the value found;
-* replicas scored on held-out batches you give (``probe``), or else on the sync step's own
+* points scored on held-out batches you give (``probe``), or else on the sync step's own
   training batch (:class:`~hpx.SharedBatch`; one batch among the thousands the displacement
   was made of, so the bias toward the stretched side is small, but its noise is larger:
   give a probe).
@@ -61,20 +62,19 @@ def autolr(
 ) -> Engine:
     """An :class:`~hpx.Engine` that finds the learning rate while it trains.
 
-    Build the optimizer with the learning rate you would have used; the replicas search around
-    it in the first 40% of the run and the rest of the run trains at the value found::
+    Build the optimizer with the learning rate you would have used; the search moves it in the
+    first 40% of the run and the rest of the run trains at the value found::
 
-        engine = hpx.autolr(model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4),
+        engine = hpx.autolr(model, torch.optim.AdamW(model.parameters(), lr=3e-4),
                             total_steps=10_000, schedule=warmup_cosine, probe=val_batches)
         for x, y in loader:
             engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
-        model = engine.converge()
 
     Args:
         model: the model (replica 0 in one process; this rank's replica under torch.distributed,
             wrapped in DistributedDataParallel or not).
-        optimizer: ``factory(model) -> Optimizer``, built with your learning rates (one optimizer
-            instance is accepted when there is one replica per process).
+        optimizer: the optimizer, built with your learning rates on ``model``'s parameters (a
+            ``factory(model) -> Optimizer`` when ``replicas > 1``).
         total_steps: the run's length in optimizer steps.
         schedule: the lr's shape over the run: ``f(step) -> factor`` for every group (1 at the
             peak), or a torch ``LRScheduler`` built on an optimizer with the same param groups
@@ -86,7 +86,11 @@ def autolr(
         loss_fn: ``loss_fn(replica, batch)`` for scoring; default: the loss given to
             :meth:`Engine.step <hpx.Engine.step>`. Give one without regularisers.
         knobs: more knobs to spread (they do not move unless given a spread).
-        replicas: replicas per process (default 4 in one process, 1 per rank).
+        replicas: replicas per process (default 1). Between syncs the replicas are identical
+            (they train at the base value), so more of them in one process only split the
+            batch: the search scores its 4 points in turn on fewer replicas, at the same cost.
+            Give more only for a layout you want (per-replica batch statistics, as plain DDP on
+            that many devices would have).
         backend: the :class:`~hpx.backends.Collective` (default: in process).
         span: the search's width: replicas scored from ``1/span`` to ``span`` times the run's
             displacement; one sync moves the learning rate by at most ``span``.
@@ -120,7 +124,7 @@ def autolr(
         signal = SharedBatch(loss_fn=loss_fn)
     registry = Knobs(LearningRateScale("lr", schedule=schedule, lrs=lrs), *knobs)
     return Engine(model, optimizer, registry, backend=backend, signal=signal, search=search,
-                  replicas=replicas, **settings)
+                  replicas=1 if replicas is None else replicas, **settings)
 
 
 def _shape_of(scheduler: LRScheduler, total_steps: int) -> tuple[Callable[[int], float], list[float]]:

@@ -43,6 +43,9 @@ class SyncContext:
         loss_fn: the training loss function given to ``Engine.step``, or ``None``.
         collective: the backend, e.g. to broadcast a batch from rank 0.
         step: the number of optimizer steps taken so far.
+        round: at a sync that scores more points than there are replicas, the replicas
+            score them in rounds (``0, 1, ...``): every round of one sync must score on the
+            same data, so that the points compare. ``0`` otherwise.
     """
 
     replicas: Sequence[Replica]
@@ -51,6 +54,7 @@ class SyncContext:
     loss_fn: LossFn | None
     collective: Collective
     step: int
+    round: int = 0
 
 
 @runtime_checkable
@@ -130,6 +134,7 @@ class SharedBatch:
         ConfigError.check(_loss_fn_problems("SharedBatch", loss_fn))
         self.loss_fn = loss_fn
         self.eval_mode = eval_mode
+        self._held: Any = None  # this sync's batch, broadcast (rounds after the first reuse it)
 
     def prepare(self, ctx: SyncContext) -> None:
         """Score the replicas on the sync step's batch before they train on it."""
@@ -146,8 +151,9 @@ class SharedBatch:
                 ["SharedBatch needs the step's batch and a loss function: use Engine.step(loss_fn, "
                  "batch), or give SharedBatch(loss_fn=...) and pass batch= to Engine.advance"]
             )
-        batch = _broadcast_batch(ctx.batch, ctx.collective)
-        return _score(ctx.replicas, [batch], fn, self.eval_mode)
+        if ctx.round == 0 or self._held is None:  # later rounds: the same batch
+            self._held = _broadcast_batch(ctx.batch, ctx.collective)
+        return _score(ctx.replicas, [self._held], fn, self.eval_mode)
 
     def __repr__(self) -> str:
         return f"SharedBatch(eval_mode={self.eval_mode})"
@@ -219,6 +225,7 @@ class ProbeStream:
         self.data, self.loss_fn, self.batches, self.eval_mode = data, loss_fn, batches, eval_mode
         self._it: Iterator[Any] | None = None
         self._pos = 0  # batches consumed since the start of the run
+        self._held: list[Any] | None = None  # this sync's batches (rounds after the first reuse them)
         self._checked = isinstance(data, (list, tuple))
 
     def _next(self) -> Any:
@@ -242,7 +249,9 @@ class ProbeStream:
         fn = self.loss_fn or ctx.loss_fn
         if fn is None:
             raise ConfigError(["ProbeStream needs loss_fn=... when Engine.step is not used"])
-        return _score(ctx.replicas, [self._next() for _ in range(self.batches)], fn, self.eval_mode)
+        if ctx.round == 0 or self._held is None:  # later rounds of a sync: the same batches
+            self._held = [self._next() for _ in range(self.batches)]
+        return _score(ctx.replicas, self._held, fn, self.eval_mode)
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self._pos}

@@ -18,7 +18,8 @@ class SyncRecord:
             that ended (before any schedule factor).
         scores: each replica's score (lower is better); ``nan`` where non-finite. The
             signal's scores when the search read them; otherwise (a warm-up, a hold) the
-            replicas' mean training loss over the interval, which costs nothing.
+            replicas' mean training loss over the interval, which costs nothing. At a sync
+            that scored points placed on the run's displacement: each point's score.
         nonfinite: global indices of replicas left out and reset.
         weights: the controller's ``w_r``, or ``None`` if it did not run.
         direction: the controller's ``D_k`` per knob, or ``None``.
@@ -32,6 +33,8 @@ class SyncRecord:
         wall: seconds since the engine was built.
         metrics: what was passed to :meth:`Engine.log <hpx.Engine.log>` since the last
             sync (the latest value of each name).
+        points: the multipliers ``rho_p`` of the run's displacement at which ``scores``
+            were taken (:class:`~hpx.search.Stretch`), or ``None``.
     """
 
     step: int
@@ -47,3 +50,4 @@ class SyncRecord:
     applied: dict[str, list[float]] | None = None
     wall: float | None = None
     metrics: dict[str, float] | None = None
+    points: list[float] | None = None

@@ -19,9 +19,15 @@ LOG2 = math.log(2)
 
 
 def view(scores, values=None, *, step=10, bases=(1.0,), spacing=("log",), spreads=(LOG2,),
-         kinds=("mul",), explore=(True,)) -> SyncView:
+         kinds=("mul",), explore=(True,), placement="auto", n=None) -> SyncView:
+    """A view of ``scores`` (of ``n`` replicas, default one per score). ``placement``: the
+    multipliers the scores were taken at (strategies other than Stretch ignore it); "auto":
+    Stretch's default, geometric from 1/1.5 to 1.5."""
     scores = torch.tensor(scores, dtype=torch.float64)
-    n = scores.numel()
+    if isinstance(placement, str):
+        placement = torch.exp(torch.linspace(-1.0, 1.0, scores.numel(), dtype=torch.float64)
+                              * math.log(1.5)) if scores.numel() > 1 else None
+    n = scores.numel() if n is None else n
     if values is None:  # each knob's values around its base, in its spacing
         u = hpx.slot_offsets(n)
         values = torch.stack([b * torch.exp(s * u) if sp == "log" else b + s * u
@@ -31,7 +37,8 @@ def view(scores, values=None, *, step=10, bases=(1.0,), spacing=("log",), spread
                     spreads=torch.tensor(spreads, dtype=torch.float64),
                     bases=torch.tensor(bases, dtype=torch.float64),
                     bounds=torch.tensor([[0.0, math.inf]] * len(bases), dtype=torch.float64),
-                    values=torch.as_tensor(values, dtype=torch.float64), scores=scores)
+                    values=torch.as_tensor(values, dtype=torch.float64), scores=scores,
+                    placement=placement)
 
 
 def start_view(**kw) -> SyncView:
@@ -49,12 +56,13 @@ STRATEGIES = {
 
 def follow(strategy, scores_seq, *, step0=10):
     """Feed views (bases carried over from the decisions) and return the decisions."""
-    strategy.start(start_view())
+    placement = strategy.start(start_view()).placement  # the engine scores the points it asks for
     bases, out = (1.0,), []
     for i, scores in enumerate(scores_seq):
-        d = strategy.decide(view(scores, step=step0 + i, bases=bases))
+        d = strategy.decide(view(scores, step=step0 + i, bases=bases, placement=placement))
         if d.bases is not None:
             bases = tuple(d.bases.tolist())
+        placement = d.placement
         out.append((d, bases))
     return out
 
@@ -354,11 +362,10 @@ def test_stretch_moves_by_the_fitted_scale_and_lands_on_the_shrunk_point_only(be
     rho = s.start(start_view()).placement
     z = rho.log()
     target = -0.2 if better == "shrunk" else 0.25  # scores: a parabola in log rho, minimum at target
-    d = s.decide(view((z - target).pow(2).tolist(), bases=(2.0,)))
+    d = s.decide(view((z - target).pow(2).tolist(), bases=(2.0,), placement=rho))
     assert d.bases.item() == pytest.approx(2.0 * math.exp(target), rel=0.01)
-    landed = float((d.merge * rho).sum())  # where the consensus goes on the line
-    assert d.merge.sum().item() == pytest.approx(1.0) and (d.merge >= 0).all()
-    assert landed == pytest.approx(math.exp(target) if better == "shrunk" else 1.0, rel=0.01)
+    assert d.merge is None  # the consensus goes to a point on the line
+    assert d.land == pytest.approx(math.exp(target) if better == "shrunk" else 1.0, rel=0.01)
     assert torch.equal(d.placement, rho)
 
 
@@ -393,7 +400,7 @@ def test_stretch_guard_takes_only_shrinks_after_the_window_until_its_end():
     assert up.bases.item() == b[0] and up.info["phase"] == "guard" and up.placement is not None
     down = s.decide(view([1.0, 2.0, 3.0, 4.0], step=40, bases=b))
     assert down.bases.item() < b[0]
-    assert float((down.merge * down.placement).sum()) < 1.0  # the consensus lands on the shrunk point
+    assert down.land < 1.0  # the consensus lands on the shrunk point
     last = s.decide(view([1.0, 2.0, 3.0, 4.0], step=50, bases=b))
     assert last.placement is None and not s.acts_at(51) and last.next_sync == 10
 
@@ -480,3 +487,111 @@ def test_engine_refuses_a_placement_without_an_anchor_and_a_foreign_anchor(digit
     with pytest.raises(hpx.ConfigError, match="starting parameters"):
         auto.load_state_dict(state)
     assert torch.equal(_flat(auto.replicas[0].model), before)
+
+
+def test_stretch_scores_at_least_points_multipliers_a_multiple_of_the_replicas():
+    s = Stretch(1000, points=4)
+    assert [s._rho(n).numel() for n in (1, 2, 3, 4, 5, 8)] == [4, 4, 6, 4, 5, 8]
+    rho = s._rho(1)
+    assert rho[0].item() == pytest.approx(1 / 1.5) and rho[-1].item() == pytest.approx(1.5)
+    assert s.start(start_view()).placement.numel() == 4
+    with pytest.raises(hpx.ConfigError, match="points must be an integer >= 2"):
+        Stretch(1000, points=1)
+
+
+def test_stretch_does_not_move_on_scores_taken_without_a_placement():
+    """After an elastic resume the replicas are scored where they trained (identical): no fit."""
+    s = Stretch(1000, burn_in=0.0)
+    s.start(start_view())
+    d = s.decide(view([4.0, 3.0, 2.0, 1.0], placement=None))
+    assert d.bases.item() == 1.0 and d.land == 1.0 and d.placement is not None
+
+
+class _Rounds:
+    """A probe signal that records, per call, the round, the batch ids and each local replica's
+    parameters."""
+
+    def __init__(self, batches):
+        self.inner = hpx.ProbeStream(batches, loss_fn=ce, batches=2)
+        self.calls = []
+
+    def measure(self, ctx):
+        scores = self.inner.measure(ctx)
+        self.calls.append((ctx.round, [id(b) for b in self.inner._held],
+                           [_flat(r.model) for r in ctx.replicas]))
+        return scores
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fewer_replicas_than_points_score_them_in_turn_and_decide_as_many_replicas_do(digits, replicas):
+    """One model (or two) scoring Stretch's four points in rounds, on the same probe batches
+    in every round, takes the decisions four replicas take (shared gradients: the mean of four
+    quarter-batch gradients is the whole batch's) and lands the same weights."""
+    probe = data(digits, 6, seed=9, size=128)
+    batches = data(digits, 30, seed=3, size=32)
+    runs = {}
+    for n in (4, replicas):
+        signal = _Rounds(probe)
+        engine = hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.3, momentum=0.9),
+                            [hpx.LearningRateScale("lr")], replicas=n, signal=signal,
+                            search=Stretch(100, until=0.3, syncs=3, burn_in=0.0, guard_until=0.3))
+        for b in batches:
+            engine.step(ce, b)
+        runs[n] = (engine, signal)
+    big, small = runs[4], runs[replicas]
+    rounds = 4 // replicas
+    assert [c[0] for c in small[1].calls] == list(range(rounds)) * 3  # three syncs
+    for k in range(0, len(small[1].calls), rounds):  # every round of a sync: the same batches
+        assert len({tuple(c[1]) for c in small[1].calls[k:k + rounds]}) == 1
+    # the points scored: the same four, point p on replica p % N in round p // N
+    first_big = big[1].calls[0][2]
+    seen = [p for c in small[1].calls[:rounds] for p in c[2]]
+    for a, b in zip(seen, first_big):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    e_big, e_small = big[0], small[0]
+    assert [r.points for r in e_small.history] == [r.points for r in e_big.history]
+    for rb, rs in zip(e_big.history, e_small.history):
+        assert rs.scores == pytest.approx(rb.scores, rel=1e-4)
+        assert rs.bases["lr"] == pytest.approx(rb.bases["lr"], rel=1e-4)
+    assert e_big.bases["lr"] != 1.0  # the search moved
+    for r in e_small.replicas:
+        torch.testing.assert_close(_flat(r.model), _flat(e_big.replicas[0].model), rtol=1e-4, atol=1e-5)
+
+
+def _autolr_on_ranks(rank, world_size, batches, probe):
+    """autolr over DDP with one replica per rank, each rank on its share of every batch."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(mlp())
+    engine = hpx.autolr(model, torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9), total_steps=60,
+                        probe=probe, loss_fn=ce, backend=hpx.backends.TorchDistributed(), seed=0)
+    for x, y in batches:
+        share = len(x) // world_size
+        engine.step(ce, (x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]))
+    return {"history": [(r.step, r.points, r.scores, r.bases["lr"]) for r in engine.history],
+            "params": _flat(model.module)}
+
+
+def test_two_ranks_score_four_points_in_two_rounds_as_one_process_does(digits):
+    """Under torch.distributed (2 gloo ranks, DDP) the 4 points span the ranks in 2 rounds:
+    the same points, scores, decisions and weights as one model scoring them in turn."""
+    from tests._dist import run_distributed
+
+    batches, probe = data(digits, 60, seed=3, size=32), data(digits, 2, seed=9, size=128)
+    ranks = run_distributed(_autolr_on_ranks, 2, batches, probe, timeout=180)
+    model = mlp()
+    ref = hpx.autolr(model, torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9), total_steps=60,
+                     probe=probe, loss_fn=ce, seed=0)
+    for b in batches:
+        ref.step(ce, b)
+    want = [(r.step, r.points, r.scores, r.bases["lr"]) for r in ref.history]
+    assert any(h[3] != 1.0 for h in want)  # the search moved
+    for r in ranks:
+        got = r["history"]
+        assert [(s, p) for s, p, _, _ in got] == [(s, p) for s, p, _, _ in want]
+        for (_, points, scores, base), (_, _, ref_scores, ref_base) in zip(got, want):
+            assert base == pytest.approx(ref_base, rel=1e-4)
+            if points is not None:  # the points' scores (a hold sync records each replica's loss)
+                assert scores == pytest.approx(ref_scores, rel=1e-4)
+        torch.testing.assert_close(r["params"], _flat(model), rtol=1e-4, atol=1e-5)
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])

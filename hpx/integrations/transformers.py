@@ -10,27 +10,28 @@ processes into replicas that find the learning rate (:func:`hpx.autolr`'s search
                                         probe=val_batches)])
     trainer.train()                                   # torchrun --nproc_per_node=4 train.py
 
-Each process the Trainer runs under ``torchrun`` is one replica. When training begins (after the
-Trainer has built and wrapped the model, the optimizer and its scheduler, and loaded a checkpoint
-it resumes from), the callback builds an :class:`~hpx.Engine` on the Trainer's model and
-optimizer, following the shape of the Trainer's learning-rate schedule and scaling it; after
-every optimizer step it advances the engine, which writes the learning rate the next step
-uses. The Trainer's DDP averages the gradients; hpx only moves the learning rate and, at its
-syncs, places and averages the weights. At each sync the knob's base (``hpx/lr_base``) and the
-learning rate the last step used (``hpx/lr``, parameter group 0) are appended to ``state.log_history``
+Each process the Trainer runs (under ``torchrun``, or just the one) is one replica. When
+training begins (after the Trainer has built and wrapped the model, the optimizer and its
+scheduler, and loaded a checkpoint it resumes from), the callback builds an
+:class:`~hpx.Engine` on the Trainer's model and optimizer, following the shape of the
+Trainer's learning-rate schedule and scaling it; after every optimizer step it advances the
+engine, which writes the learning rate the next step uses. The Trainer's DDP averages the
+gradients; hpx only moves the learning rate and, at its syncs, places and averages the
+weights. At each sync the knob's base (``hpx/lr_base``) and the learning rate the last step
+used (``hpx/lr``, parameter group 0) are appended to ``state.log_history``
 (saved with the Trainer's state);
 hpx's own state is saved beside every checkpoint the Trainer writes and restored when training
 resumes from it.
 
 The Trainer's own ``learning_rate`` log shows its scheduler's value, not the scaled one hpx
-writes; ``hpx/lr`` is the one used. In one process there is one replica and
-nothing to explore (the callback warns).
+writes; ``hpx/lr`` is the one used. In one process (one GPU, or the CPU) the one model is the
+only replica and scores the search's points in turn at each sync: the same search as with
+several processes, at the same cost.
 """
 
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -91,10 +92,6 @@ class AutoLR(TrainerCallback):
             from hpx.backends import TorchDistributed
 
             backend = TorchDistributed()
-        else:
-            warnings.warn("AutoLR in one process: the Trainer trains one model, so there is one "
-                          "replica and nothing to explore; launch several processes with torchrun",
-                          stacklevel=2)
         self._model, self._state = model, state
         self._optimizer = getattr(optimizer, "optimizer", optimizer)
         on_sync = self.settings.pop("on_sync", ())

@@ -42,7 +42,11 @@ class SyncView:
         scores: ``[N]`` each replica's score, lower is better; ``nan`` where the
             replica's score or weights are non-finite, or it had more non-finite losses in
             the interval than the best replica (:func:`worst_filled` turns those into the
-            worst scores, as a strategy should count them).
+            worst scores, as a strategy should count them). At a sync that scored placed
+            points (``placement`` is set): ``[P]``, each point's score.
+        placement: ``[P]`` the multipliers ``rho_p`` of the run's displacement that were
+            scored at this sync (the previous decision's :attr:`Decision.placement`), or
+            ``None`` when the replicas were scored where they trained.
     """
 
     step: int
@@ -56,10 +60,12 @@ class SyncView:
     bounds: torch.Tensor
     values: torch.Tensor
     scores: torch.Tensor
+    placement: torch.Tensor | None = None
 
     @property
     def finite(self) -> torch.Tensor:
-        """``[N]`` bool: replicas whose score (and weights) are finite."""
+        """``[N]`` bool (``[P]`` at a placed sync): replicas (points) whose score (and
+        weights) are finite."""
         return torch.isfinite(self.scores)
 
 
@@ -79,15 +85,19 @@ class Decision:
             every replica is set to (a replica with weight 0 is left out and reset
             from the others); ``None``: equal weights over finite replicas.
             Non-finite replicas always get weight 0.
-        placement: ``[N]`` positive multipliers ``rho_r``: at the next sync, before the
-            replicas are scored, the engine averages them and sets replica ``r``'s
-            parameters to ``anchor + rho_r * (consensus - anchor)``, where the anchor is
-            the parameters the run started from (buffers stay at the consensus). The
-            scores then compare the run's whole displacement stretched or shrunk, and
-            ``merge`` weights pick a point on that line (``sum_r w_r rho_r``). Only a
-            strategy whose :meth:`Search.start` decision asks for a placement may ask for
-            one later (the engine keeps the anchor, one copy of the parameters, from the
-            start on); the first decision without one frees the anchor for good.
+        placement: ``[P]`` positive multipliers ``rho_p``, ``P`` the number of replicas
+            ``N`` or a multiple of it: at the next sync, before anything is scored, the
+            engine averages the replicas and scores the points ``anchor + rho_p *
+            (consensus - anchor)``, where the anchor is the parameters the run started from
+            (buffers stay at the consensus): point ``p`` on replica ``p % N``, in round
+            ``p // N`` (with fewer replicas than points, each replica scores several in
+            turn, on the same data). The scores then compare the run's whole displacement
+            stretched or shrunk; that sync's decision gives ``land`` instead of ``merge``.
+            Only a strategy whose :meth:`Search.start` decision asks for a placement may
+            ask for one later (the engine keeps the anchor, one copy of the parameters, from
+            the start on); the first decision without one frees the anchor for good.
+        land: at a sync that scored placed points: every replica moves to ``anchor + land
+            * (consensus - anchor)`` (``None``: back to the consensus, ``land = 1``).
         info: diagnostics for the history (``weights``, ``direction``, ``sigma``,
             ``phase``, ...).
     """
@@ -98,6 +108,7 @@ class Decision:
     next_sync: int | None = None
     merge: torch.Tensor | None = None
     placement: torch.Tensor | None = None
+    land: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
 

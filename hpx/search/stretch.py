@@ -35,6 +35,12 @@ Between syncs every replica trains at the base value (the knob's spread is 0): t
 exploration happens at the syncs, on held-out data, and costs no training quality.
 After ``guard_until`` the run is plain data-parallel training at the value found.
 
+Since the replicas are identical between syncs, the search needs no more of them than
+the data parallelism has: ``points`` multipliers are scored at each sync, by the replicas
+in turn when there are fewer replicas than points (one model in one process scores all of
+them, one after the other). The cost is the same either way: ``points`` forward passes
+over the probe per sync.
+
 It wants held-out data to score on (:class:`~hpx.ProbeStream`): a batch the replicas just
 trained on slightly rewards the stretched points, and one batch is noisier than a probe.
 """
@@ -60,7 +66,7 @@ class Stretch:
         total_steps: the run's length in optimizer steps.
         until: the share of the run in which the search acts (its window).
         syncs: syncs in the window, evenly spaced (at least one step apart).
-        span: replicas are scored from ``1/span`` to ``span`` times the run's displacement
+        span: points are scored from ``1/span`` to ``span`` times the run's displacement
             (geometrically spaced), and one sync moves the base by at most ``span``.
         burn_in: the share of the run at the start in which only a shrink (``rho* < 1``)
             moves the base.
@@ -72,8 +78,10 @@ class Stretch:
             keep floating buffers averaged), spread evenly over the rest of the run.
         knob: the name of the multiplicative knob searched (default: the first
             multiplicative knob that explores). Other knobs keep their spreads and bases.
+        points: multipliers scored per sync (at least 2): the smallest multiple of the
+            replica count ``N`` that is ``>= points`` (``N`` itself when ``N >= points``).
 
-    Symbols: ``rho_r`` is replica ``r``'s multiplier of the displacement (``Decision.placement``),
+    Symbols: ``rho_p`` is point ``p``'s multiplier of the displacement (``Decision.placement``),
     ``a`` the run's starting parameters, ``theta`` the consensus.
     """
 
@@ -88,6 +96,7 @@ class Stretch:
         guard_until: float = 0.9,
         hold_syncs: int = 10,
         knob: str | None = None,
+        points: int = 4,
     ) -> None:
         problems = []
         if not is_int(total_steps) or total_steps < 1:
@@ -108,10 +117,13 @@ class Stretch:
             problems.append(f"hold_syncs must be an integer >= 1 (got {hold_syncs!r})")
         if knob is not None and not isinstance(knob, str):
             problems.append(f"knob must be a knob's name or None (got {knob!r})")
+        if not is_int(points) or points < 2:
+            problems.append(f"points must be an integer >= 2 (got {points!r}): the multipliers scored "
+                            "per sync (a parabola needs 3; 2 give a line)")
         ConfigError.check(problems)
         self.total_steps, self.until, self.syncs = int(total_steps), float(until), int(syncs)
         self.span, self.burn_in = float(span), float(burn_in)
-        self.hold_syncs, self.knob = int(hold_syncs), knob
+        self.hold_syncs, self.knob, self.points = int(hold_syncs), knob, int(points)
         self.end = max(1, round(self.until * self.total_steps))  # the window's last step
         self.every = max(1, self.end // self.syncs)
         self.burn_steps = self.burn_in * self.total_steps
@@ -143,21 +155,21 @@ class Stretch:
             return Decision(next_sync=self.hold_every, info={"phase": "hold"})
         i = self._index(view)
         rho = self._rho(view.n_replicas)
-        z = rho.log()
-        best = self._fit(z, view.scores)
+        # the points scored (None: the replicas were scored unplaced, e.g. after an elastic resume)
+        best = None if view.placement is None else self._fit(view.placement.log(), view.scores)
         burn = view.step <= self.burn_steps
         guard = view.step > self.end
         move = 0.0 if best is None else (min(best, 0.0) if burn or guard else best)
         self.moves.append(move)
         bases = view.bases.clone()
         bases[i] = float(bases[i]) * math.exp(move)
-        merge = _landing(rho, math.exp(min(move, 0.0)), view.finite)
+        land = math.exp(min(move, 0.0))  # a shrink also moves the weights; a stretch does not
         info: dict[str, Any] = {"phase": "burn-in" if burn else "guard" if guard else "stretch",
                                 "rho": math.exp(best) if best is not None else None}
         if view.step + self._next(view.step) > self.guard_end:
             self.done = True
-            return Decision(bases=bases, merge=merge, next_sync=self.hold_every, info=info)
-        return Decision(bases=bases, merge=merge, placement=rho, next_sync=self._next(view.step),
+            return Decision(bases=bases, land=land, next_sync=self.hold_every, info=info)
+        return Decision(bases=bases, land=land, placement=rho, next_sync=self._next(view.step),
                         info=info)
 
     def state_dict(self) -> dict[str, Any]:
@@ -170,7 +182,8 @@ class Stretch:
 
     def __repr__(self) -> str:
         return (f"Stretch(total_steps={self.total_steps}, until={self.until:g}, syncs={self.syncs}, "
-                f"span={self.span:g}, burn_in={self.burn_in:g}, guard_until={self.guard_until:g})")
+                f"span={self.span:g}, burn_in={self.burn_in:g}, guard_until={self.guard_until:g}, "
+                f"points={self.points})")
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -192,10 +205,10 @@ class Stretch:
                            f"run declares {list(view.names)} with kinds {list(view.kinds)}"])
 
     def _rho(self, n: int) -> torch.Tensor:
-        """``[N]`` multipliers, geometric from ``1/span`` to ``span``, ascending with the index."""
-        if n == 1:
-            return torch.ones(1, dtype=torch.float64)
-        u = torch.linspace(-1.0, 1.0, n, dtype=torch.float64)
+        """``[P]`` multipliers for ``n`` replicas, geometric from ``1/span`` to ``span``,
+        ascending with the index (``P``: the smallest multiple of ``n`` that is ``>= points``)."""
+        p = n * -(-self.points // n)
+        u = torch.linspace(-1.0, 1.0, p, dtype=torch.float64)
         return torch.exp(u * math.log(self.span))
 
     def _next(self, step: int) -> int:
@@ -215,25 +228,4 @@ class Stretch:
         y = (s - s.mean()) / s.std()
         zn = z / w
         return parabola_min(zn, y, z.numel() >= 3) * w
-
-
-def _landing(rho: torch.Tensor, target: float, finite: torch.Tensor) -> torch.Tensor:
-    """``[N]`` merge weights over finite replicas whose multipliers average to ``target``
-    (the two finite replicas around it; the nearest one when it lies outside them)."""
-    w = torch.zeros_like(rho)
-    idx = finite.nonzero().reshape(-1).tolist()
-    if not idx:
-        return torch.ones_like(rho)  # nothing finite: the engine falls back to its own rule
-    below = [j for j in idx if float(rho[j]) <= target]
-    above = [j for j in idx if float(rho[j]) >= target]
-    if not below or not above:
-        w[min(idx, key=lambda j: abs(float(rho[j]) - target))] = 1.0
-        return w
-    lo, hi = max(below, key=lambda j: float(rho[j])), min(above, key=lambda j: float(rho[j]))
-    if lo == hi or float(rho[hi]) == float(rho[lo]):
-        w[lo] = 1.0
-        return w
-    t = (target - float(rho[lo])) / (float(rho[hi]) - float(rho[lo]))
-    w[lo], w[hi] = 1.0 - t, t
-    return w
 

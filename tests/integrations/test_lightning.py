@@ -55,20 +55,25 @@ def test_two_ddp_processes_explore_agree_and_log(tmp_path):
         before = base
 
 
-def test_one_process_warns_and_follows_the_modules_schedule(tmp_path):
-    steps = 20  # the schedule's length; the trainer stops half-way, mid-schedule
+def test_one_process_explores_with_its_one_model_and_scales_the_modules_schedule(tmp_path):
+    steps = 40  # the schedule's length; the trainer stops at 30, mid-schedule
     auto = AutoLR(probe_loss, probe=probe(), total_steps=steps)
-    trainer = _trainer(tmp_path, steps // 2, callbacks=[auto])
-    with pytest.warns(UserWarning, match="one replica and nothing to explore"):
-        trainer.fit(Digits(lr=0.01, steps=steps), loader())
-    assert auto.engine.step_count == steps // 2 and trainer.lr_scheduler_configs == []
-    assert auto.engine.bases["lr"] == 1.0  # one replica: nothing to compare, nothing moves
-    # hpx wrote OneCycle's lr for the next step, as Lightning stepping the scheduler would have
-    ref = Digits(lr=0.01, steps=steps).configure_optimizers()["lr_scheduler"]["scheduler"]
-    for _ in range(steps // 2):
+    trainer = _trainer(tmp_path, 30, callbacks=[auto])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(Digits(lr=0.005, steps=steps), loader())
+    assert not [w for w in seen if "replica" in str(w.message)]  # nothing to warn about: the search ran
+    e = auto.engine
+    assert e.n_replicas == 1 and e.step_count == 30 and trainer.lr_scheduler_configs == []
+    assert e.bases["lr"] != 1.0  # the one model scored the four points in turn and the lr moved
+    assert all(len(r.points) == 4 for r in e.history if r.phase in ("stretch", "burn-in"))
+    # hpx wrote OneCycle's lr for the next step times the base, as Lightning stepping it would have
+    ref = Digits(lr=0.005, steps=steps).configure_optimizers()["lr_scheduler"]["scheduler"]
+    for _ in range(30):
         ref.optimizer.step()
         ref.step()
-    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(ref.get_last_lr()[0], rel=1e-6)
+    want = ref.get_last_lr()[0] * e.bases["lr"]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(want, rel=1e-6)
 
 
 def test_checkpoint_resume_continues_hpxs_state(tmp_path):

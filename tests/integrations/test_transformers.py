@@ -28,16 +28,24 @@ class _Spy:
         self.lrs[state.global_step] = optimizer.param_groups[0]["lr"]
 
 
-def test_one_process_warns_and_follows_the_trainers_schedule(tmp_path):
+def test_one_process_explores_with_its_one_model_and_scales_the_trainers_schedule(tmp_path):
+    import warnings
+
     auto, spy = AutoLR(probe_loss, probe=probe()), _Spy()
-    t = trainer(tmp_path, 20, [auto, spy])
-    with pytest.warns(UserWarning, match="one replica and nothing to explore"):
+    t = trainer(tmp_path, 40, [auto, spy], lr=3e-4)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         t.train()
-    assert auto.engine.step_count == 20 and auto.engine.bases["lr"] == 1.0
+    assert not [w for w in seen if "replica" in str(w.message)]  # nothing to warn about: the search ran
+    e = auto.engine
+    assert e.n_replicas == 1 and e.step_count == 40
+    assert e.bases["lr"] != 1.0  # the one model scored the four points in turn and the lr moved
     lam = t.lr_scheduler.lr_lambdas[0]
-    for step in (3, 10, 15):  # the lr for the next step: the linear schedule with its warm-up
-        assert spy.lrs[step] == pytest.approx(1e-3 * lam(step), rel=1e-9)
-    assert any("hpx/lr_base" in h for h in t.state.log_history)
+    for step in range(1, 40):  # the lr for the next step: the linear schedule times the base then
+        base = next((r.bases["lr"] for r in reversed(e.history) if r.step <= step), 1.0)
+        assert spy.lrs[step] == pytest.approx(3e-4 * lam(step) * base, rel=1e-9)
+    logged = [h for h in t.state.log_history if "hpx/lr_base" in h]
+    assert logged[-1]["hpx/lr_base"] == pytest.approx(e.bases["lr"])
 
 
 def test_checkpoint_resume_continues_hpxs_state(tmp_path):
