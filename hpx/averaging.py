@@ -16,7 +16,7 @@ import torch
 from hpx._buckets import plan_buckets
 from hpx.backends.base import Collective
 
-__all__ = ["average_", "broadcast_", "float_state", "optimizer_state_tensors"]
+__all__ = ["average_", "broadcast_", "float_state", "local", "optimizer_state_tensors", "params"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -110,19 +110,45 @@ def broadcast_(tensors: Sequence[torch.Tensor], collective: Collective, src: int
                 tensors[i].copy_(p.view(tensors[i].shape))
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded tensor (a ``DTensor``, as FSDP2 makes parameters and
+    their optimizer state), sharing its storage; any other tensor as it is."""
+    if type(t).__name__ == "DTensor":  # no torch.distributed import: hpx runs without it
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def params(module: torch.nn.Module) -> list[torch.Tensor]:
+    """A model's parameters as this rank holds them (shards for a sharded model)."""
+    _reshard(module)
+    return [local(p) for p in module.parameters()]
+
+
+def _reshard(module: torch.nn.Module) -> None:
+    """Put an FSDP2 model's parameters back in their sharded form (after a forward the root
+    keeps them gathered, and what is written to the gathered copies would be lost)."""
+    for m in module.modules():
+        reshard = getattr(m, "reshard", None)
+        if reshard is not None and type(m).__name__.startswith("FSDP"):
+            reshard()
+
+
 def float_state(module: torch.nn.Module) -> list[torch.Tensor]:
-    """A model's parameters and floating-point buffers, in a fixed order.
+    """A model's parameters and floating-point buffers, in a fixed order (this rank's
+    shards of sharded ones).
 
     Integer buffers (``num_batches_tracked``) are left out: they are equal on
     every replica anyway, and averaging integers is not defined.
     """
-    out = [p for p in module.parameters()]
-    out += [b for b in module.buffers() if b.is_floating_point()]
+    out = params(module)
+    out += [local(b) for b in module.buffers() if b.is_floating_point()]  # FSDP2 keeps buffers whole
     return out
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    """The optimizer's floating-point state tensors (momenta, Adam moments) in a fixed order.
+    """The optimizer's floating-point state tensors (momenta, Adam moments) in a fixed order
+    (this rank's shards of sharded ones).
 
     Scalar step counters are left out: they are equal across replicas.
     """
@@ -131,5 +157,5 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
         for p in group["params"]:
             for _, v in sorted(optimizer.state.get(p, {}).items()):
                 if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0:
-                    out.append(v)
+                    out.append(local(v))
     return out

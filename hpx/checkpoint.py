@@ -73,12 +73,12 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
         problems.append(f"keep must be an integer >= 1 (got {keep!r}): complete checkpoints to keep")
     problems += _extra_problems(extra)
     ConfigError.check(problems)
-    rank = engine.collective.rank
+    rank = _processes(engine).rank
     state = {
         "format": _FORMAT,
         "step": engine.step_count,
         "rank": rank,
-        "world_size": engine.collective.world_size,
+        "world_size": _processes(engine).world_size,
         "engine": engine.state_dict(),
         "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()},
         "rng": _rng_state(),
@@ -133,7 +133,7 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     if elastic:
         return _load_elastic(Path(directory), engine, extra, rng)
     root = Path(directory)
-    rank = engine.collective.rank
+    rank = _processes(engine).rank
     excluded: set[int] = set()
     while True:
         step = _agree(engine, [s for s in _complete_steps(root, rank) if s not in excluded])
@@ -141,7 +141,7 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
             return None
         path = root / f"step-{step:09d}" / f"rank-{rank:05d}.pt"
         intact = _intact(path, step)
-        oks = engine.collective.all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
+        oks = _processes(engine).all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
         if bool((oks > 0).all()):
             break
         excluded.add(step)
@@ -149,9 +149,9 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     problems = []
     if state.get("format") != _FORMAT:
         problems.append(f"{path}: unknown checkpoint file format {state.get('format')!r}")
-    if state.get("world_size") != engine.collective.world_size:
+    if state.get("world_size") != _processes(engine).world_size:
         problems.append(f"{path} was saved by a run of {state.get('world_size')} processes, this one has "
-                        f"{engine.collective.world_size}: resume with the saved run's process count, or "
+                        f"{_processes(engine).world_size}: resume with the saved run's process count, or "
                         "with load_checkpoint(..., elastic=True)")
     problems += [f"{path}: {p}" for p in engine._load_problems(state.get("engine"))]
     missing = [name for name in (extra or {}) if name not in state.get("extra", {})]
@@ -169,6 +169,10 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
 
 def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool) -> int | None:
     """Every saved rank's file of the newest step complete for all of them, into ``engine``."""
+    if _processes(engine) is not engine.collective:
+        raise ConfigError([f"an elastic resume averages whole saved replicas; {engine.collective!r} holds "
+                           "sharded replicas: resume on the same mesh with load_checkpoint(..., "
+                           "elastic=False)"])
     rank = engine.collective.rank
     excluded: set[int] = set()
     while True:
@@ -178,7 +182,7 @@ def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
         folder = root / f"step-{step:09d}"
         paths = sorted(folder.glob("rank-*.pt"))
         intact = all(_intact(p, step) for p in paths)
-        oks = engine.collective.all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
+        oks = _processes(engine).all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
         if bool((oks > 0).all()):
             break
         excluded.add(step)
@@ -308,7 +312,7 @@ def _agree(engine: Engine, steps: list[int]) -> int | None:
     offer = torch.full((_CANDIDATES,), -1.0, dtype=torch.float64)
     mine = steps[:_CANDIDATES]
     offer[: len(mine)] = torch.tensor(mine, dtype=torch.float64)
-    rows = engine.collective.all_gather(offer.to(_device(engine))).to("cpu").reshape(-1, _CANDIDATES)
+    rows = _processes(engine).all_gather(offer.to(_device(engine))).to("cpu").reshape(-1, _CANDIDATES)
     common = set(mine)
     for row in rows.tolist():
         common &= {int(s) for s in row if s >= 0}
@@ -317,6 +321,13 @@ def _agree(engine: Engine, steps: list[int]) -> int | None:
         log.warning("step %d is not complete on every rank (a save was interrupted): resuming from "
                     "step %d, the newest that all ranks have", newest_anywhere, max(common))
     return max(common) if common else None
+
+
+def _processes(engine: Engine) -> Any:
+    """The collective over every process: files are per process. A backend whose replicas span
+    several processes (``hpx.backends.Mesh``) gives it as ``processes``; otherwise a process is a
+    rank of the backend."""
+    return getattr(engine.collective, "processes", engine.collective)
 
 
 def _device(engine: Engine) -> torch.device:

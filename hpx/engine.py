@@ -31,6 +31,7 @@ import torch
 
 from hpx._seed import derive_seed
 from hpx.averaging import average_, broadcast_, float_state, optimizer_state_tensors
+from hpx.averaging import params as _params
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
 from hpx.config import EngineConfig
@@ -152,12 +153,23 @@ class Engine:
                  else int(getattr(self.collective, "default_replicas", 1)))
         self.n_local, self.n_replicas = local, local * world
         self._first = rank * local  # global index of local replica 0
+        # the one process that writes shared files (a backend of sharded replicas has several
+        # processes per replica: its process_rank names the process)
+        self._writes_files = getattr(self.collective, "process_rank", self.collective.rank) == 0
         self._ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        sharded = _is_sharded(model)  # FSDP2: each rank holds shards; FSDP reduces the gradients
         if self._ddp and (local > 1 or cfg.mode == "independent"):
             raise ConfigError(
                 ["a DistributedDataParallel model needs one replica per rank and mode='shared' "
                  "(DDP all-reduces gradients every step); for independent replicas pass the bare model"]
             )
+        if sharded and (local > 1 or cfg.warm_init):
+            raise ConfigError(
+                [f"a sharded (FSDP2) model is one replica per group of its shard ranks: give replicas=1 "
+                 f"(got {local}) and no warm_init (got {cfg.warm_init}); hpx.backends.Mesh places the "
+                 "replicas along the mesh's replicate dim"]
+            )
+        self._framework_reduces = self._ddp or sharded
         prepare = getattr(self.collective, "prepare_model", None)
         if prepare is not None:  # e.g. keep one rank's NaN gradient out of DDP's mean
             model = prepare(model)
@@ -171,7 +183,7 @@ class Engine:
             # Every rank starts from rank 0's bases and permutation stream, whatever seed it was given.
             self.knobs.load_state_dict(self.collective.broadcast_object(self.knobs.state_dict(), 0))
         dev = next((p.device for p in self.replicas[0].model.parameters()), torch.device("cpu"))
-        shared = cfg.mode == "shared" and (local > 1 or (world > 1 and not self._ddp))
+        shared = cfg.mode == "shared" and (local > 1 or (world > 1 and not self._framework_reduces))
         # One process on the CPU: autograd's own gradients and a foreach mean (reading which
         # losses are finite costs nothing there). Elsewhere: flat buckets, a masked reduction
         # on the device and one collective per bucket.
@@ -185,7 +197,7 @@ class Engine:
         self._fresh, self._reduced = True, False  # no backward yet in this step; mean not applied
         self._last: tuple[Any, LossFn | None] = (None, None)  # (batch, loss_fn) signals score on
         self.history: list[SyncRecord] = []
-        if cfg.history_file is not None and self.collective.rank == 0:
+        if cfg.history_file is not None and self._writes_files:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.history_file)), exist_ok=True)
         self._agreement_due = False  # after a load: check that the ranks resumed alike
         self._next_sync = cfg.sync_every
@@ -208,7 +220,7 @@ class Engine:
             with torch.no_grad():
                 torch._foreach_copy_(s, states[0])
         if self._placement is not None:  # rank 0's start, before any warm noise: equal on every rank
-            self._anchor = [p.detach().clone() for p in self.replicas[0].model.parameters()]
+            self._anchor = [p.detach().clone() for p in _params(self.replicas[0].model)]
         if cfg.warm_init:
             for r in self.replicas:
                 _warm_noise_(r.model, cfg.warm_init, derive_seed(cfg.seed, 0x7761726D, r.index))
@@ -431,8 +443,8 @@ class Engine:
                 scaler.unscale_(r.optimizer)
         norms = None
         if max_grad_norm is not None:
-            norms = torch.stack([torch.nn.utils.clip_grad_norm_(r.model.parameters(), float(max_grad_norm))
-                                 for r in self.replicas])
+            clip, cap = torch.nn.utils.clip_grad_norm_, float(max_grad_norm)
+            norms = torch.stack([_whole(clip(r.model.parameters(), cap)) for r in self.replicas])
         for r in self.replicas:
             if scaler is not None:
                 scaler.step(r.optimizer)
@@ -673,7 +685,7 @@ class Engine:
             g = self._first + i
             f = float(rho[g]) / (1.0 if were is None else float(were[g]))
             if f != 1.0:  # p <- anchor + f (p - anchor) = lerp(p, anchor, 1 - f)
-                torch._foreach_lerp_([p for p in rep.model.parameters()], self._anchor, 1.0 - f)
+                torch._foreach_lerp_(_params(rep.model), self._anchor, 1.0 - f)
 
     def _land(self, decision: Decision, placed: torch.Tensor) -> None:
         """After a placed sync: every replica to ``anchor + land (theta - anchor)``, identical."""
@@ -696,7 +708,7 @@ class Engine:
         if limit is not None and len(self.history) > limit:
             del self.history[: len(self.history) - limit]
         path = self.config.history_file
-        if path is not None and self.collective.rank == 0:
+        if path is not None and self._writes_files:
             from hpx.history import _record_line
 
             with open(path, "a") as f:
@@ -870,7 +882,7 @@ class Engine:
         self._acc_n = list(state["acc_n"])
         self.history = [SyncRecord(**r) for r in state["history"]]
         path = self.config.history_file
-        if path is not None and self.collective.rank == 0:
+        if path is not None and self._writes_files:
             from hpx.history import _truncate_file
 
             _truncate_file(path, self.step_count)  # the resumed run redoes what came after
@@ -889,7 +901,7 @@ class Engine:
         placement, anchor = state.get("placement"), state.get("anchor")
         self._placement = None if placement is None else torch.as_tensor(placement, dtype=torch.float64)
         self._anchor = None if anchor is None else [
-            a.to(p.device, p.dtype).clone() for a, p in zip(anchor, self.replicas[0].model.parameters())]
+            a.to(p.device, p.dtype).clone() for a, p in zip(anchor, _params(self.replicas[0].model))]
 
     def _check_agreement(self, *, settle: bool) -> None:
         """Raise :class:`ConsistencyError` on every rank if the ranks were built or resumed
@@ -1035,7 +1047,7 @@ class Engine:
             problems.append(f"checkpoint holds knobs {names} but this run declares {self.knobs.names}")
         anchor = state.get("anchor")
         if anchor is not None:
-            shapes = [tuple(p.shape) for p in self.replicas[0].model.parameters()]
+            shapes = [tuple(p.shape) for p in _params(self.replicas[0].model)]
             if (not isinstance(anchor, (list, tuple)) or len(anchor) != len(shapes)
                     or [tuple(getattr(a, "shape", ())) for a in anchor] != shapes):
                 problems.append(f"checkpoint's starting parameters (the anchor of the search's placement) "
@@ -1281,6 +1293,16 @@ def _weights_norm(model: torch.nn.Module) -> torch.Tensor:
     if not ts:
         return torch.zeros(())
     return torch.stack([n.float() for n in torch._foreach_norm(ts)]).sum()
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded model's gradient norm (a replicated DTensor) as a plain tensor; else ``t``."""
+    return t.full_tensor() if type(t).__name__ == "DTensor" else t
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded by FSDP2 (``fully_shard``): its parameters are DTensors."""
+    return any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 @torch.no_grad()

@@ -1,13 +1,14 @@
 """Backends: the Collective protocol and its implementations.
 
-``TorchDistributed`` lives in :mod:`hpx.backends.dist`, the one module that
-imports torch.distributed; it is imported only when asked for.
+``TorchDistributed`` lives in :mod:`hpx.backends.dist` and ``Mesh`` (sharded replicas, FSDP2)
+in :mod:`hpx.backends.mesh`, the modules that import torch.distributed; they are imported only
+when asked for.
 """
 
 from hpx.backends.base import Collective
 from hpx.backends.local import InProcess
 
-__all__ = ["Collective", "InProcess", "TorchDistributed", "default_backend"]
+__all__ = ["Collective", "InProcess", "Mesh", "TorchDistributed", "default_backend"]
 
 
 def default_backend() -> Collective:
@@ -21,4 +22,8 @@ def __getattr__(name: str):
         from hpx.backends.dist import TorchDistributed
 
         return TorchDistributed
+    if name == "Mesh":
+        from hpx.backends.mesh import Mesh
+
+        return Mesh
     raise AttributeError(f"module 'hpx.backends' has no attribute {name!r}")

@@ -1,0 +1,155 @@
+"""Sharded replicas (hpx.backends.Mesh) on 4 real gloo processes: 2 replicas x 2 FSDP2 shards,
+and one replica sharded over all 4, against the same runs unsharded in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hpx
+from tests._digits import ce, data, mlp
+from tests._dist import run_distributed
+
+pytest.importorskip("torch.distributed.fsdp")
+
+WORLD = 4
+STEPS = 24
+
+
+def _knobs():
+    return [hpx.LearningRate("lr", spread=0.5)]
+
+
+def _engine_kw(probe):
+    return dict(sync_every=5, seed=0, signal=hpx.ProbeStream(probe, loss_fn=ce))
+
+
+def _full(model) -> torch.Tensor:
+    """Every parameter, whole (gathered from the shards), flat."""
+    parts = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return torch.cat([p.detach().reshape(-1) for p in parts])
+
+
+def _hist(engine):
+    return [(r.step, r.bases, r.values, r.scores, r.points) for r in engine.history]
+
+
+def _train_step(engine, mode, batch):
+    """shared: Engine.step; independent: backward, then a clipped optimizer step (the norm of a
+    sharded model's gradient is its whole gradient's)."""
+    if mode == "shared":
+        engine.step(ce, batch)
+    else:
+        engine.backward(ce, batch)
+        engine.optimizer_step(max_grad_norm=0.5)
+
+
+def _scenario(rank, world_size, batches, probe, ckpt):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hpx.backends import Mesh
+
+    out = {}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    quarter = 2 * mesh.get_local_rank("replicate") + mesh.get_local_rank("shard")
+    for mode in ("shared", "independent"):
+        model = mlp()
+        fully_shard(model, mesh=mesh if mode == "shared" else mesh["shard"])  # HSDP, or within a replica
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        engine = hpx.Engine(model, opt, _knobs(), backend=Mesh(mesh), mode=mode, **_engine_kw(probe))
+        for x, y in batches[:STEPS]:
+            _train_step(engine, mode, (x[quarter * 8:(quarter + 1) * 8], y[quarter * 8:(quarter + 1) * 8]))
+        out[mode] = {"history": _hist(engine), "params": _full(model),
+                     "replica": engine.collective.rank, "n": engine.n_replicas}
+        if mode == "shared":  # a sharded checkpoint, one file per process, and an exact resume
+            hpx.save_checkpoint(ckpt, engine)
+            for x, y in batches[STEPS:]:
+                engine.step(ce, (x[quarter * 8:(quarter + 1) * 8], y[quarter * 8:(quarter + 1) * 8]))
+            again_model = mlp(seed=5)
+            fully_shard(again_model, mesh=mesh)
+            again = hpx.Engine(again_model, torch.optim.SGD(again_model.parameters(), lr=0.1, momentum=0.9),
+                               _knobs(), backend=Mesh(mesh), **_engine_kw(probe))
+            resumed = hpx.load_checkpoint(ckpt, again)
+            for x, y in batches[STEPS:]:
+                again.step(ce, (x[quarter * 8:(quarter + 1) * 8], y[quarter * 8:(quarter + 1) * 8]))
+            out["resume"] = {"step": resumed, "same": torch.equal(_full(again_model), _full(model)),
+                             "history_same": _hist(again) == _hist(engine)}
+    # one replica sharded over all four ranks: hpx.autolr, its points scored in turn
+    flat = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))
+    model = mlp()
+    fully_shard(model, mesh=flat)
+    auto = hpx.autolr(model, torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9), total_steps=STEPS,
+                      probe=probe, loss_fn=ce, backend=Mesh(flat), seed=0)
+    anchor_numel = sum(a.numel() for a in auto._anchor)  # this rank's shards of the start
+    for x, y in batches[:STEPS]:
+        auto.step(ce, (x[rank * 8:(rank + 1) * 8], y[rank * 8:(rank + 1) * 8]))
+    out["autolr"] = {"history": _hist(auto), "params": _full(model), "anchor_numel": anchor_numel,
+                     "freed": auto._anchor is None}
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, digits):
+    batches = data(digits, 2 * STEPS, seed=3, size=32)
+    probe = data(digits, 2, seed=9, size=64)
+    ckpt = str(tmp_path_factory.mktemp("mesh_ckpt"))
+    ranks = run_distributed(_scenario, WORLD, batches, probe, ckpt, timeout=300)
+    local = {}
+    for mode in ("shared", "independent"):
+        model = mlp()
+        engine = hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), _knobs(),
+                            replicas=2, mode=mode, **_engine_kw(probe))
+        for b in batches[:STEPS]:
+            _train_step(engine, mode, b)  # split in halves: replica r holds the quarters of mesh row r
+        local[mode] = {"history": _hist(engine), "params": [_full(r.model) for r in engine.replicas]}
+    model = mlp()
+    auto = hpx.autolr(model, torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9), total_steps=STEPS,
+                      probe=probe, loss_fn=ce, seed=0)
+    for b in batches[:STEPS]:
+        auto.step(ce, b)
+    local["autolr"] = {"history": _hist(auto), "params": [_full(model)]}
+    return ranks, local
+
+
+def _assert_same_history(got, want):
+    assert [h[0] for h in got] == [h[0] for h in want] and len(want) >= 3
+    for (step, bases, values, scores, points), (_, b, v, s, p) in zip(got, want):
+        assert points == p, step
+        for k in b:
+            assert bases[k] == pytest.approx(b[k], rel=1e-5), step
+            assert values[k] == pytest.approx(v[k], rel=1e-5), step
+        assert scores == pytest.approx(s, rel=1e-4), step
+
+
+@pytest.mark.parametrize("mode", ["shared", "independent"])
+def test_two_sharded_replicas_equal_the_unsharded_run(runs, mode):
+    """HSDP (shared gradients) or FSDP within each replica (independent): the same decisions,
+    values, scores and weights as two unsharded replicas in one process."""
+    ranks, local = runs
+    for rank, r in enumerate(ranks):
+        got = r[mode]
+        assert got["n"] == 2 and got["replica"] == rank // 2  # replicas along the replicate dim
+        _assert_same_history(got["history"], local[mode]["history"])
+        assert any(h[1]["lr"] != local[mode]["history"][0][1]["lr"] for h in got["history"])  # it moved
+        torch.testing.assert_close(got["params"], local[mode]["params"][rank // 2], rtol=1e-5, atol=1e-6)
+
+
+def test_sharded_checkpoint_resumes_exactly(runs):
+    ranks, _ = runs
+    for r in ranks:
+        assert r["resume"] == {"step": STEPS, "same": True, "history_same": True}
+
+
+def test_autolr_on_one_replica_sharded_over_four_ranks(runs):
+    """One model sharded over every rank scores autolr's 4 points in turn, as one unsharded
+    model does; each rank keeps a quarter of the anchor."""
+    ranks, local = runs
+    n_params = sum(p.numel() for p in mlp().parameters())
+    for r in ranks:
+        _assert_same_history(r["autolr"]["history"], local["autolr"]["history"])
+        torch.testing.assert_close(r["autolr"]["params"], local["autolr"]["params"][0], rtol=1e-5, atol=1e-6)
+        assert 0 < r["autolr"]["anchor_numel"] <= n_params // WORLD + 64 and r["autolr"]["freed"]
+    assert any(h[1]["lr"] != 1.0 for h in local["autolr"]["history"])
