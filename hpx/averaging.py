@@ -33,8 +33,10 @@ def average_(
     *,
     write: Sequence[bool] | None = None,
     bucket_cap_mb: float = 25.0,
-) -> None:
-    """Set tensors to the weighted mean over every replica of every rank.
+    check_finite: bool = False,
+) -> bool:
+    """Set tensors to the weighted mean over every replica of every rank; return whether
+    it was written.
 
     Args:
         replicas: ``replicas[l]`` is local replica ``l``'s list of tensors; the
@@ -45,18 +47,21 @@ def average_(
         collective: sums the partial means across ranks (identity in process).
         write: which local replicas receive the mean (default: all).
         bucket_cap_mb: largest flat bucket, in MB of the tensors' own dtype.
+        check_finite: write nothing and return False if the mean holds a NaN or inf (one pass
+            over the mean instead of one over every replica: a finite mean of replicas with
+            positive weights means they are all finite, barring an overflow of the sum, which
+            the caller then sorts out replica by replica). Every rank reaches the same verdict.
 
     Low-precision tensors (fp16/bf16) are summed in float32.
     """
     if not replicas or not replicas[0]:
-        return
+        return True
     if total_weight <= 0:
         raise ValueError(f"total_weight must be > 0 (got {total_weight})")
     write = [True] * len(replicas) if write is None else list(write)
     first = replicas[0]
     if collective.world_size == 1 and not any(t.dtype in _LOW_PRECISION for t in first):
-        _average_local_(replicas, weights, total_weight, write)
-        return
+        return _average_local_(replicas, weights, total_weight, write, check_finite)
     plan = plan_buckets(first, int(bucket_cap_mb * 2**20))
     sums = []
     for idx in plan:
@@ -68,6 +73,8 @@ def average_(
                 s.add_(_flat((rep[i] for i in idx), acc_dtype), alpha=w)
         sums.append(s)
     collective.all_reduce_sum_(sums)
+    if check_finite and not _all_finite(sums):
+        return False
     for idx, s in zip(plan, sums):
         s.div_(total_weight)
         parts = s.split([first[i].numel() for i in idx])
@@ -77,24 +84,44 @@ def average_(
                 sources = [p.view(t.shape).to(t.dtype) for p, t in zip(parts, targets)]
                 with torch.no_grad():
                     torch._foreach_copy_(targets, sources)
+    return True
+
+
+@torch.no_grad()
+def _all_finite(ts: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of ``ts`` is finite: one pass, one host read. (The 2-norm, the
+    fastest foreach reduction, is non-finite iff an element is, or, for values near the
+    dtype's range, when its sum of squares overflows: a false alarm the caller sorts out.)"""
+    if not ts:
+        return True
+    norms = torch._foreach_norm([t if t.is_floating_point() else t.float() for t in ts])
+    return bool(torch.isfinite(torch.stack(norms)).all())
 
 
 @torch.no_grad()
 def _average_local_(replicas: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
-                    total_weight: float, write: Sequence[bool]) -> None:
+                    total_weight: float, write: Sequence[bool], check_finite: bool = False) -> bool:
     """One process: the same sum, in the same order, with foreach ops on the tensors
     themselves (one extra copy of a replica's tensors; no flat buffers to build and split)."""
     live = [(rep, w) for rep, w in zip(replicas, weights) if w != 0]
     if not live:
-        return
+        return True
     (rep0, w0), rest = live[0], live[1:]
-    acc = torch._foreach_mul([t.detach() for t in rep0], w0)  # 0 + w0 * x0, as the flat path
+    x0 = [t.detach() for t in rep0]
+    if w0 == 1.0 and rest:  # x0 + w1 x1 in one pass: the same bits as 0 + 1 * x0, then + w1 x1
+        (rep1, w1), rest = rest[0], rest[1:]
+        acc = torch._foreach_add(x0, [t.detach() for t in rep1], alpha=w1)
+    else:
+        acc = torch._foreach_mul(x0, w0)  # 0 + w0 * x0, as the flat path
     for rep, w in rest:
         torch._foreach_add_(acc, [t.detach() for t in rep], alpha=w)
+    if check_finite and not _all_finite(acc):
+        return False
     torch._foreach_div_(acc, total_weight)
     for rep, do in zip(replicas, write):
         if do:
             torch._foreach_copy_(list(rep), acc)
+    return True
 
 
 def broadcast_(tensors: Sequence[torch.Tensor], collective: Collective, src: int = 0,

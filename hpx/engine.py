@@ -532,8 +532,8 @@ class Engine:
 
     # --- the sync ----------------------------------------------------------------------
 
-    def _gather_scores(self, batch: Any, loss_fn: LossFn | None,
-                       placed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _gather_scores(self, batch: Any, loss_fn: LossFn | None, placed: torch.Tensor | None = None,
+                       health: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[N]`` scores, weight health (finite iff the weights are) and non-finite loss
         counts of every replica, in one gather. With ``placed`` (``[P]`` multipliers, ``P`` a
         multiple of ``N``), the scores are the ``P`` points' instead, scored in ``P / N`` rounds
@@ -564,32 +564,50 @@ class Engine:
             if scores.numel() != self.n_local:
                 raise ValueError(f"signal returned {scores.numel()} scores for {self.n_local} local replicas")
             measured.append(scores)
-        rows = torch.stack([*measured, self._health().to(scores), self._bad.to(scores)])
+        fine = self._health().to(scores) if health else torch.zeros_like(scores)  # else checked later
+        rows = torch.stack([*measured, fine, self._bad.to(scores)])
         rows = self.collective.all_gather(rows).to("cpu", torch.float64)  # [W, R + 2, L]: the host read
         # point p = j N + g sits at [rank of g, round j, local index of g]
         scores = rows[:, :rounds, :].transpose(0, 1).reshape(-1)
         return scores, rows[:, rounds, :].reshape(-1), rows[:, rounds + 1, :].reshape(-1)
 
-    def _converge(self, weights: torch.Tensor, *, average: bool) -> None:
+    def _converge(self, weights: torch.Tensor, *, average: bool, check: bool = False) -> bool:
         """Set replicas to the ``weights``-weighted mean of all replicas (``[N]``, >= 0; a
         replica with weight 0 is left out and always reset). ``average=False`` resets only
-        those."""
+        those. ``check``: change nothing and return False if the mean is not finite (a
+        replica's weights went NaN or inf: the caller finds which, replica by replica)."""
         cfg = self.config
         finite = weights > 0
         local_w = weights[self._first : self._first + self.n_local].tolist()
         bad_local = [w == 0 for w in local_w]
         write = [True] * self.n_local if average else bad_local
         if not any(write) and not (~finite).any():
-            return
+            return True
         w = [float(x) for x in local_w]
         total = float(weights.sum())
-        average_([float_state(r.model) for r in self.replicas], w, total, self.collective,
-                 write=write, bucket_cap_mb=cfg.bucket_cap_mb)
+        if not average_([float_state(r.model) for r in self.replicas], w, total, self.collective,
+                        write=write, bucket_cap_mb=cfg.bucket_cap_mb, check_finite=check):
+            return False
         opt_states = [optimizer_state_tensors(r.optimizer) for r in self.replicas]
         if opt_states[0] and (cfg.average_optimizer_state or (~finite).any()):
             write_opt = [True] * self.n_local if cfg.average_optimizer_state else bad_local
             average_(opt_states, w, total, self.collective, write=write_opt,
                      bucket_cap_mb=cfg.bucket_cap_mb)
+        return True
+
+    def _sound(self) -> torch.Tensor:
+        """``[N]`` bool: replicas whose weights and buffers are all finite (one pass over every
+        replica and a gather; only when a mean turned out non-finite, or to reset replicas
+        without averaging). Raises :class:`NonFiniteError` when none is."""
+        health = self.collective.all_gather(self._health()).to("cpu", torch.float64).reshape(-1)
+        sound = torch.isfinite(health)
+        if not sound.any():
+            raise NonFiniteError(
+                f"at step {self.step_count} the weights of all {self.n_replicas} replicas are non-finite; "
+                "nothing is left to reset them from. Lower the learning rate or its spread, or check "
+                "the data for NaN/inf"
+            )
+        return sound
 
     def _sync(self, batch: Any, loss_fn: LossFn | None) -> None:
         cfg = self.config
@@ -598,14 +616,13 @@ class Engine:
         reset: list[int] = []
         if placed is not None:
             reset = self._consensus()
-        scores, health, bad_steps = self._gather_scores(batch, loss_fn, placed)
-        sound = torch.isfinite(health)  # finite weights and buffers
+        # Weight health: when the replicas are averaged, a finite mean shows they are all finite
+        # (checked after the merge, one pass over the mean); otherwise replica by replica now.
+        eager = placed is None and not cfg.average
+        scores, health, bad_steps = self._gather_scores(batch, loss_fn, placed, health=eager)
+        sound = torch.isfinite(health)  # all True unless checked eagerly
         if not sound.any():
-            raise NonFiniteError(
-                f"at step {self.step_count} the weights of all {self.n_replicas} replicas are non-finite; "
-                "nothing is left to reset them from. Lower the learning rate or its spread, or check "
-                "the data for NaN/inf"
-            )
+            self._sound()  # raises NonFiniteError
         if placed is None:
             # A replica with more non-finite losses than the best one, or a non-finite score, is
             # evidence against its values: the search sees it as the worst, the merge leaves it
@@ -640,7 +657,19 @@ class Engine:
             if decision.land is not None:
                 raise ValueError(f"the search gave land={decision.land!r} at a sync that scored no placed "
                                  "points (land picks a point on the displacement a placement scored)")
-            self._converge(self._merge_weights(decision, finite), average=cfg.average)
+            if not self._converge(self._merge_weights(decision, finite), average=cfg.average,
+                                  check=not eager):
+                # a replica's weights went non-finite though its score and losses did not show it
+                sound = self._sound()
+                finite &= sound
+                if not finite.any():
+                    finite = sound
+                unsound = (~sound).nonzero().reshape(-1).tolist()
+                log.warning("step %d: replica(s) %s have non-finite weights; left out and reset from "
+                            "the mean of the rest", self.step_count, unsound)
+                rec.nonfinite = sorted(set(rec.nonfinite) | set(unsound))
+                rec.scores = [math.nan if i in unsound else v for i, v in enumerate(rec.scores)]
+                self._converge(self._merge_weights(decision, finite), average=cfg.average)
         else:
             self._land(decision, placed)
         self._apply(decision)
@@ -669,11 +698,11 @@ class Engine:
     def _consensus(self) -> list[int]:
         """Average the replicas whose weights are finite into every replica (before points
         are placed); the global indices of those left out."""
-        health = self.collective.all_gather(self._health()).to("cpu", torch.float64).reshape(-1)
-        sound = torch.isfinite(health)
-        if sound.any():  # else the sync raises NonFiniteError after the gather
-            self._converge(sound.to(torch.float64), average=True)
-        return (~sound).nonzero().reshape(-1).tolist() if sound.any() else []
+        if self._converge(torch.ones(self.n_replicas, dtype=torch.float64), average=True, check=True):
+            return []
+        sound = self._sound()
+        self._converge(sound.to(torch.float64), average=True)
+        return (~sound).nonzero().reshape(-1).tolist()
 
     @torch.no_grad()
     def _move_to(self, rho: torch.Tensor, were: torch.Tensor | None) -> None:
@@ -786,11 +815,8 @@ class Engine:
         """Average every replica's weights now, leaving out non-finite ones, and
         return local replica 0's model (the consensus). Use it at the end of
         training; under torch.distributed every rank must call it."""
-        health = self.collective.all_gather(self._health()).to("cpu", torch.float64).reshape(-1)
-        finite = torch.isfinite(health)
-        if not finite.any():
-            raise NonFiniteError(f"all {self.n_replicas} replicas have non-finite weights")
-        self._converge(finite.to(torch.float64), average=True)
+        if not self._converge(torch.ones(self.n_replicas, dtype=torch.float64), average=True, check=True):
+            self._converge(self._sound().to(torch.float64), average=True)  # leave the non-finite out
         return self.replicas[0].model
 
     def _health(self) -> torch.Tensor:

@@ -49,3 +49,16 @@ class _InProcess:
 
     def all_reduce_sum_(self, tensors):
         return None
+
+
+def test_a_checked_mean_that_is_not_finite_writes_nothing_on_either_path():
+    for coll in (_InProcess(), _Identity()):
+        reps = _replicas(2)
+        reps[1][2][0, 1, 0] = float("inf")
+        before = [[t.clone() for t in rep] for rep in reps]
+        assert average_(reps, [1.0] * 4, 4.0, coll, check_finite=True) is False
+        for rep, was in zip(reps, before):
+            for x, y in zip(rep, was):
+                assert torch.equal(x, y)
+        assert average_(reps, [1.0, 0.0, 1.0, 1.0], 3.0, coll, check_finite=True) is True  # left out
+        assert all(torch.isfinite(t).all() for rep in reps for t in rep)

@@ -290,6 +290,40 @@ def test_nan_replica_is_left_out_and_reset(digits):
     assert len(healthy) == 3
 
 
+class _FixedScores:
+    """A signal that does not look at the weights: a replica's NaN shows only in its weights."""
+
+    def measure(self, ctx):
+        return torch.arange(len(ctx.replicas), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("where", ["sync", "converge"])
+def test_nonfinite_weights_behind_a_finite_score_are_found_at_the_merge(digits, where):
+    """The health of the weights is read from the mean (one pass): a replica whose weights are
+    NaN though nothing it reported was, is then found replica by replica, left out and reset."""
+    engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=5,
+                        signal=_FixedScores())
+    bs = list(batches(digits, 5))
+    for b in bs[:4]:
+        engine.step(ce, b)
+    if where == "sync":  # the NaN arrives after the step's losses were taken, before the sync
+        engine.backward(ce, bs[4])
+    others = [params(r.model) for i, r in enumerate(engine.replicas) if i != 1]
+    with torch.no_grad():
+        next(engine.replicas[1].model.parameters())[0, 0] = float("nan")
+    if where == "sync":
+        engine.optimizer_step()
+        rec = engine.history[-1]
+        assert rec.step == 5 and rec.nonfinite == [1] and math.isnan(rec.scores[1])
+        assert [rec.scores[i] for i in (0, 2, 3)] == [0.0, 2.0, 3.0]
+    else:
+        engine.converge()
+        torch.testing.assert_close(params(engine.replicas[0].model), sum(others) / 3)
+    for r in engine.replicas:
+        assert torch.isfinite(params(r.model)).all()
+        assert torch.equal(params(r.model), params(engine.replicas[0].model))
+
+
 def test_nan_in_shared_mode_does_not_poison_the_others(digits):
     engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=5)
 
