@@ -60,8 +60,11 @@ def average_(
         raise ValueError(f"total_weight must be > 0 (got {total_weight})")
     write = [True] * len(replicas) if write is None else list(write)
     first = replicas[0]
+    if collective.world_size == 1 and len(replicas) == 1 and weights[0] != 0:
+        # one replica in all: the mean is the replica itself; only its finiteness is in question
+        return not check_finite or _agreed(_all_finite(first), collective, first[0].device)
     if collective.world_size == 1 and not any(t.dtype in _LOW_PRECISION for t in first):
-        return _average_local_(replicas, weights, total_weight, write, check_finite)
+        return _average_local_(replicas, weights, total_weight, write, check_finite, collective)
     plan = plan_buckets(first, int(bucket_cap_mb * 2**20))
     sums = []
     for idx in plan:
@@ -73,7 +76,7 @@ def average_(
                 s.add_(_flat((rep[i] for i in idx), acc_dtype), alpha=w)
         sums.append(s)
     collective.all_reduce_sum_(sums)
-    if check_finite and not _all_finite(sums):
+    if check_finite and not _agreed(_all_finite(sums), collective, sums[0].device):
         return False
     for idx, s in zip(plan, sums):
         s.div_(total_weight)
@@ -98,9 +101,17 @@ def _all_finite(ts: Sequence[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack(norms)).all())
 
 
+def _agreed(ok: bool, collective: Collective, device: torch.device) -> bool:
+    """``ok`` on every process: a backend whose replicas span several processes (each holding
+    shards, ``hpx.backends.Mesh``) gives each of them its own verdict, and all must act alike."""
+    flags = collective.all_gather(torch.tensor(1.0 if ok else 0.0, device=device))
+    return bool((flags >= 1.0).all())  # Mesh averages a flag within a replica: < 1 if a shard failed
+
+
 @torch.no_grad()
 def _average_local_(replicas: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
-                    total_weight: float, write: Sequence[bool], check_finite: bool = False) -> bool:
+                    total_weight: float, write: Sequence[bool], check_finite: bool = False,
+                    collective: Collective | None = None) -> bool:
     """One process: the same sum, in the same order, with foreach ops on the tensors
     themselves (one extra copy of a replica's tensors; no flat buffers to build and split)."""
     live = [(rep, w) for rep, w in zip(replicas, weights) if w != 0]
@@ -115,7 +126,8 @@ def _average_local_(replicas: Sequence[Sequence[torch.Tensor]], weights: Sequenc
         acc = torch._foreach_mul(x0, w0)  # 0 + w0 * x0, as the flat path
     for rep, w in rest:
         torch._foreach_add_(acc, [t.detach() for t in rep], alpha=w)
-    if check_finite and not _all_finite(acc):
+    if check_finite and not (_all_finite(acc) if collective is None
+                             else _agreed(_all_finite(acc), collective, acc[0].device)):
         return False
     torch._foreach_div_(acc, total_weight)
     for rep, do in zip(replicas, write):

@@ -15,6 +15,9 @@ class _Identity:
     def all_reduce_sum_(self, tensors):
         return None
 
+    def all_gather(self, tensor):
+        return torch.stack([tensor, tensor])
+
 
 def _replicas(seed):
     g = torch.Generator().manual_seed(seed)
@@ -50,6 +53,9 @@ class _InProcess:
     def all_reduce_sum_(self, tensors):
         return None
 
+    def all_gather(self, tensor):
+        return tensor.unsqueeze(0)
+
 
 def test_a_checked_mean_that_is_not_finite_writes_nothing_on_either_path():
     for coll in (_InProcess(), _Identity()):
@@ -62,3 +68,26 @@ def test_a_checked_mean_that_is_not_finite_writes_nothing_on_either_path():
                 assert torch.equal(x, y)
         assert average_(reps, [1.0, 0.0, 1.0, 1.0], 3.0, coll, check_finite=True) is True  # left out
         assert all(torch.isfinite(t).all() for rep in reps for t in rep)
+
+
+def test_one_replica_in_all_is_its_own_mean_and_only_checked():
+    rep = _replicas(3)[:1]
+    before = [t.clone() for t in rep[0]]
+    assert average_(rep, [1.0], 1.0, _InProcess(), check_finite=True) is True
+    assert all(torch.equal(a, b) for a, b in zip(rep[0], before))
+    rep[0][0][0, 0] = float("nan")
+    assert average_(rep, [1.0], 1.0, _InProcess(), check_finite=True) is False
+
+
+class _ShardDisagrees(_InProcess):
+    """One replica whose other shard (another process) found a NaN: the averaged flag is 0.5."""
+
+    def all_gather(self, tensor):
+        return (tensor.unsqueeze(0) + 0.0) / 2
+
+
+def test_every_process_of_a_replica_acts_on_one_verdict():
+    reps = _replicas(4)
+    before = [[t.clone() for t in rep] for rep in reps]
+    assert average_(reps, [1.0] * 4, 4.0, _ShardDisagrees(), check_finite=True) is False
+    assert all(torch.equal(a, b) for rep, was in zip(reps, before) for a, b in zip(rep, was))
