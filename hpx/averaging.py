@@ -102,8 +102,12 @@ def _all_finite(ts: Sequence[torch.Tensor]) -> bool:
 
 
 def _agreed(ok: bool, collective: Collective, device: torch.device) -> bool:
-    """``ok`` on every process: a backend whose replicas span several processes (each holding
-    shards, ``hpx.backends.Mesh``) gives each of them its own verdict, and all must act alike."""
+    """``ok`` on every process. Processes that reduced the same sums reach the same verdict; a
+    backend whose replicas span several processes (each holding other shards: it says so by
+    giving ``processes``, as ``hpx.backends.Mesh`` does) gives each its own, and all must act
+    alike: one small gather settles it."""
+    if getattr(collective, "processes", None) is None:
+        return ok
     flags = collective.all_gather(torch.tensor(1.0 if ok else 0.0, device=device))
     return bool((flags >= 1.0).all())  # Mesh averages a flag within a replica: < 1 if a shard failed
 

@@ -82,6 +82,8 @@ def test_one_replica_in_all_is_its_own_mean_and_only_checked():
 class _ShardDisagrees(_InProcess):
     """One replica whose other shard (another process) found a NaN: the averaged flag is 0.5."""
 
+    processes = object()  # replicas span several processes
+
     def all_gather(self, tensor):
         return (tensor.unsqueeze(0) + 0.0) / 2
 
