@@ -153,3 +153,60 @@ def test_autolr_on_one_replica_sharded_over_four_ranks(runs):
         torch.testing.assert_close(r["autolr"]["params"], local["autolr"]["params"][0], rtol=1e-5, atol=1e-6)
         assert 0 < r["autolr"]["anchor_numel"] <= n_params // WORLD + 64 and r["autolr"]["freed"]
     assert any(h[1]["lr"] != 1.0 for h in local["autolr"]["history"])
+
+
+# --- bad input, in a world of one process ---------------------------------------------------
+
+
+@pytest.fixture
+def one_process():
+    import datetime
+
+    import torch.distributed as dist
+
+    from tests._dist import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mesh_names_what_is_wrong_with_the_mesh(one_process):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpx.backends import Mesh
+
+    with pytest.raises(hpx.ConfigError, match="must be a torch.distributed DeviceMesh"):
+        Mesh("cpu")
+    with pytest.raises(hpx.ConfigError, match=r"dims \('replicate', 'shard'\) in this order"):
+        Mesh(init_device_mesh("cpu", (1, 1), mesh_dim_names=("shard", "replicate")))
+    with pytest.raises(hpx.ConfigError, match="its dim must be named 'shard'"):
+        Mesh(init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))
+    one = Mesh(init_device_mesh("cpu", (1,), mesh_dim_names=("shard",)))
+    assert (one.rank, one.world_size, one.process_rank) == (0, 1, 0)
+
+
+def test_a_sharded_model_is_one_replica_without_warm_noise(one_process):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hpx.backends import Mesh
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    model = mlp()
+    fully_shard(model, mesh=mesh)
+    before = _full(model).clone()
+    with pytest.raises(hpx.ConfigError, match="give replicas=1 .got 2. and no warm_init .got 0.01."):
+        hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _knobs(), backend=Mesh(mesh),
+                   replicas=2, warm_init=0.01)
+    assert torch.equal(_full(model), before)  # refused before anything was touched
+
+
+def test_mesh_without_a_process_group_says_how_to_start_one():
+    from hpx.backends.mesh import Mesh
+
+    with pytest.raises(hpx.BackendError, match="init_process_group"):
+        Mesh(None)
