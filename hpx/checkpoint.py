@@ -19,6 +19,13 @@ a ``GradScaler``, ...) and the random streams the trajectory depends on (torch's
 generator, which draws dropout masks, CUDA's, Python's ``random`` and NumPy's), so that
 the resumed run continues as the uninterrupted one would have, bit for bit on CPU.
 
+Sharded replicas (:class:`hpx.backends.Mesh`, FSDP2): the models' and optimizers' shards and
+the search's starting point go through ``torch.distributed.checkpoint`` into
+``step-.../sharded/``, written by every process together; each process's file then holds the
+rest (knobs, search, history, random streams). Such a checkpoint resumes on another number of
+shard processes per replica (the same number of replicas): ``torch.distributed.checkpoint``
+reshards.
+
 Under ``torchrun --max-restarts``, restarted gloo workers re-initialise reliably only with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the environment (torch 2.13; pytorch#135712).
 """
@@ -31,6 +38,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -85,6 +93,12 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     }
     folder = Path(directory) / f"step-{engine.step_count:09d}"
     folder.mkdir(parents=True, exist_ok=True)
+    if _sharded(engine):  # the shards through torch.distributed.checkpoint, by every process
+        _save_shards(engine, folder / _SHARDS)
+        eng = state["engine"]
+        del eng["replicas"]
+        state["anchored"], eng["anchor"] = eng["anchor"] is not None, None
+        state["replica"] = engine.collective.rank
     path = folder / f"rank-{rank:05d}.pt"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -132,6 +146,8 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     ConfigError.check(_extra_problems(extra))
     if elastic:
         return _load_elastic(Path(directory), engine, extra, rng)
+    if _sharded(engine):
+        return _load_sharded(Path(directory), engine, extra, rng)
     root = Path(directory)
     rank = _processes(engine).rank
     excluded: set[int] = set()
@@ -204,6 +220,137 @@ def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
     if rng:
         _set_rng_state(own["rng"])
     return step
+
+
+_SHARDS = "sharded"
+
+
+def _sharded(engine: Engine) -> bool:
+    """Whether the engine's replicas span several processes (``hpx.backends.Mesh``)."""
+    return _processes(engine) is not engine.collective
+
+
+def _shard_state(engine: Engine, anchored: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What goes through torch.distributed.checkpoint: the model's and optimizer's state and the
+    search's starting point; returned as (the state as torch gives it, the same tensors as this
+    replica's own entries). torch.distributed.checkpoint takes a tensor replicated over the
+    mesh's replicate dim to be the same on every replica, and hpx's replicas differ: each
+    replica's tensors are re-viewed on its shard group alone (the same storage) under a key of
+    its own, ``replica<r>``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from hpx.averaging import params
+
+    rep = engine.replicas[0]
+    params(rep.model)  # FSDP2: back to the sharded parameters before they are read
+    model_sd, optim_sd = get_state_dict(rep.model, rep.optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    if anchored:
+        shards = engine._anchor if engine._anchor is not None else [
+            torch.zeros_like(t) for t in params(rep.model)]
+        state["anchor"] = {
+            name: DTensor.from_local(a, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                     stride=p.stride()) if isinstance(p, DTensor) else a
+            for (name, p), a in zip(rep.model.named_parameters(), shards)}
+    shard_dim = engine.collective.shard_dim
+
+    def own(x: Any) -> Any:
+        if isinstance(x, DTensor) and x.device_mesh.ndim == 2:
+            return DTensor.from_local(x.to_local(), x.device_mesh[shard_dim], x.placements[1:],
+                                      run_check=False, shape=x.shape, stride=x.stride())
+        if isinstance(x, dict):
+            return {k: own(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [own(v) for v in x]
+        return x
+
+    return state, {f"replica{engine.collective.rank}": own(state)}
+
+
+def _save_shards(engine: Engine, where: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_shard_state(engine, engine._anchor is not None)[1], checkpoint_id=str(where))
+
+
+def _load_sharded(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool) -> int | None:
+    """The newest step every saved process completed, into sharded replicas (any number of
+    shard processes per replica: torch.distributed.checkpoint reshards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from hpx.averaging import local
+
+    procs = _processes(engine)
+    excluded: set[int] = set()
+    while True:
+        step = _agree(engine, [s for s in _complete_for_all(root) if s not in excluded])
+        if step is None:
+            return None
+        folder = root / f"step-{step:09d}"
+        paths = sorted(folder.glob("rank-*.pt"))
+        intact = (folder / _SHARDS / ".metadata").is_file() and all(_intact(p, step) for p in paths)
+        oks = procs.all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
+        if bool((oks > 0).all()):
+            break
+        excluded.add(step)
+    states = [torch.load(p, map_location="cpu", weights_only=False) for p in paths]
+    problems = []
+    if any("replica" not in st for st in states):
+        problems.append(f"{folder} was not saved from sharded replicas: resume it with the backend it was "
+                        "saved with")
+    mine = [st for st in states if st.get("replica") == engine.collective.rank]
+    if not problems and not mine:
+        problems.append(f"{folder} holds no process of replica {engine.collective.rank} (its replicas: "
+                        f"{sorted({st['replica'] for st in states})}): resume with as many replicas")
+    # the same process's file when the layout is the same (its random streams and data position),
+    # else the first of its replica's
+    same = states[procs.rank] if procs.rank < len(states) else None
+    own = same if same is not None and same.get("replica") == engine.collective.rank else (
+        mine[0] if mine else states[0])
+    eng = dict(own.get("engine") or {})
+    anchored = bool(own.get("anchored"))
+    if anchored:  # shaped like this run's shards, for the checks; loaded below
+        eng["anchor"] = [torch.zeros_like(t) for t in _local_params(engine)]
+    problems += [f"{folder}: {p}" for p in engine._load_problems(eng)]
+    missing = [name for name in (extra or {}) if name not in own.get("extra", {})]
+    if missing:
+        problems.append(f"{folder} holds no state for {missing}: give load_checkpoint the extra objects that "
+                        "were saved")
+    ConfigError.check(problems)
+    shards, view = _shard_state(engine, anchored)
+    dcp.load(view, checkpoint_id=str(folder / _SHARDS))  # tensors: into the shards' own storage
+    _adopt(shards, view[f"replica{engine.collective.rank}"])  # and the rest (param groups' settings)
+    rep = engine.replicas[0]
+    set_state_dict(rep.model, rep.optimizer, model_state_dict=shards["model"],
+                   optim_state_dict=shards["optim"])
+    if anchored:
+        eng["anchor"] = [local(t).clone() for t in shards["anchor"].values()]
+    engine.load_state_dict(eng)
+    for name, obj in (extra or {}).items():
+        obj.load_state_dict(own["extra"][name])
+    if rng:
+        _set_rng_state(own["rng"])
+    return step
+
+
+def _adopt(into: Any, loaded: Any) -> None:
+    """Copy the non-tensor values of ``loaded`` into the same places of ``into`` (tensors were
+    loaded in place, into storage the two share)."""
+    keys = into.keys() if isinstance(into, dict) else range(len(into))
+    for k in keys:
+        a, b = into[k], loaded[k]
+        if isinstance(a, (dict, list)):
+            _adopt(a, b)
+        elif not torch.is_tensor(a):
+            into[k] = b
+
+
+def _local_params(engine: Engine) -> list[torch.Tensor]:
+    from hpx.averaging import params
+
+    return params(engine.replicas[0].model)
 
 
 # --- helpers ------------------------------------------------------------------------------
@@ -340,6 +487,8 @@ def _prune(root: Path, rank: int, keep: int) -> None:
         folder = root / f"step-{step:09d}"
         for f in (folder / f"rank-{rank:05d}.pt.sha256", folder / f"rank-{rank:05d}.pt"):
             f.unlink(missing_ok=True)  # the digest first: a half-pruned step no longer counts
+        if (folder / _SHARDS).is_dir() and not any(folder.glob("rank-*.pt")):
+            shutil.rmtree(folder / _SHARDS, ignore_errors=True)  # the last process's prune
         try:
             folder.rmdir()  # the last rank to prune removes the folder
         except OSError:

@@ -78,6 +78,7 @@ class Mesh:
                             f"{dist.get_world_size()}: build the mesh over every rank")
         ConfigError.check(problems)
         self._mesh = mesh
+        self.shard_dim = shard  # the mesh dim a replica shards over (checkpoints re-view tensors on it)
         self._shard_group = mesh.get_group(shard)
         self._n_shard = mesh.size(mesh_dim=names.index(shard))
         if mesh.ndim == 2:

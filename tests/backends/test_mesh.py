@@ -75,7 +75,8 @@ def _scenario(rank, world_size, batches, probe, ckpt):
             for x, y in batches[STEPS:]:
                 again.step(ce, (x[quarter * 8:(quarter + 1) * 8], y[quarter * 8:(quarter + 1) * 8]))
             out["resume"] = {"step": resumed, "same": torch.equal(_full(again_model), _full(model)),
-                             "history_same": _hist(again) == _hist(engine)}
+                             "history_same": _hist(again) == _hist(engine), "params": _full(model),
+                             "history": _hist(engine)}
     # one replica sharded over all four ranks: hpx.autolr, its points scored in turn
     flat = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("shard",))
     model = mlp()
@@ -111,6 +112,7 @@ def runs(tmp_path_factory, digits):
     for b in batches[:STEPS]:
         auto.step(ce, b)
     local["autolr"] = {"history": _hist(auto), "params": [_full(model)]}
+    local["batches"], local["probe"], local["ckpt"] = batches, probe, ckpt
     return ranks, local
 
 
@@ -140,7 +142,38 @@ def test_two_sharded_replicas_equal_the_unsharded_run(runs, mode):
 def test_sharded_checkpoint_resumes_exactly(runs):
     ranks, _ = runs
     for r in ranks:
-        assert r["resume"] == {"step": STEPS, "same": True, "history_same": True}
+        assert (r["resume"]["step"], r["resume"]["same"], r["resume"]["history_same"]) == (STEPS, True, True)
+
+
+def _resume_on_two(rank, world_size, batches, probe, ckpt):
+    """The 2 x 2 run's checkpoint resumed by 2 processes: the same 2 replicas, 1 shard each."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hpx.backends import Mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = mlp(seed=7)
+    fully_shard(model, mesh=mesh)
+    engine = hpx.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), _knobs(),
+                        backend=Mesh(mesh), **_engine_kw(probe))
+    step = hpx.load_checkpoint(ckpt, engine)
+    for x, y in batches[STEPS:]:  # replica r: the two quarters its two processes trained on
+        engine.step(ce, (x[rank * 16:(rank + 1) * 16], y[rank * 16:(rank + 1) * 16]))
+    return {"step": step, "params": _full(model), "history": _hist(engine)}
+
+
+def test_a_sharded_checkpoint_resumes_on_another_number_of_shards(runs):
+    """torch.distributed.checkpoint reshards: the 2 x 2 run's checkpoint, resumed by 2 processes
+    (2 replicas of 1 shard), continues as the 4 processes did."""
+    ranks, local = runs
+    resumed = run_distributed(_resume_on_two, 2, local["batches"], local["probe"], local["ckpt"], timeout=180)
+    for replica, r in enumerate(resumed):
+        want = ranks[2 * replica]["resume"]  # the 4-process run's first process of that replica
+        assert r["step"] == STEPS
+        _assert_same_history(r["history"], want["history"])
+        torch.testing.assert_close(r["params"], want["params"], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(resumed[0]["params"], resumed[1]["params"])  # the replicas differ
 
 
 def test_autolr_on_one_replica_sharded_over_four_ranks(runs):
@@ -179,7 +212,7 @@ def test_mesh_names_what_is_wrong_with_the_mesh(one_process):
 
     from hpx.backends import Mesh
 
-    with pytest.raises(hpx.ConfigError, match="must be a torch.distributed DeviceMesh"):
+    with pytest.raises(hpx.ConfigError, match=r"must be a torch\.distributed DeviceMesh"):
         Mesh("cpu")
     with pytest.raises(hpx.ConfigError, match=r"dims \('replicate', 'shard'\) in this order"):
         Mesh(init_device_mesh("cpu", (1, 1), mesh_dim_names=("shard", "replicate")))
@@ -199,7 +232,7 @@ def test_a_sharded_model_is_one_replica_without_warm_noise(one_process):
     model = mlp()
     fully_shard(model, mesh=mesh)
     before = _full(model).clone()
-    with pytest.raises(hpx.ConfigError, match="give replicas=1 .got 2. and no warm_init .got 0.01."):
+    with pytest.raises(hpx.ConfigError, match=r"give replicas=1 \(got 2\) and no warm_init \(got 0\.01\)"):
         hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), _knobs(), backend=Mesh(mesh),
                    replicas=2, warm_init=0.01)
     assert torch.equal(_full(model), before)  # refused before anything was touched
