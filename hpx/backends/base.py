@@ -9,7 +9,9 @@ A backend only moves tensors; it knows nothing of knobs, models or optimizers.
 Two optional members let a backend shape what the engine does without the engine
 knowing which backend it has: ``default_replicas`` (replicas per process when the user
 gives no count; 1 if absent) and ``prepare_model(model) -> model`` (called once on the
-user's model, e.g. to register a gradient hook).
+user's model, e.g. to register a gradient hook). A backend whose replicas span several
+processes (each holding shards of the model, :class:`hpx.backends.Mesh`) also gives
+``process_rank`` (the process itself) and ``processes`` (a collective over every process).
 """
 
 from __future__ import annotations
