@@ -645,7 +645,7 @@ class Engine:
         rec = SyncRecord(
             step=self.step_count, bases={}, values={n: self._values[i].tolist() for i, n in enumerate(names)},
             scores=scores.tolist(), nonfinite=bad, spreads={k.name: k.spread for k in self.knobs},
-            points=None if placed is None else placed.tolist(),
+            points=None if placed is None else placed.tolist(), searched=self._controls_now(),
             applied={k.name: [v * self._scales[i] for v in self._values[i].tolist()]  # the last step's
                      for i, k in enumerate(self.knobs)},
             wall=time.perf_counter() - self._t0,

@@ -82,6 +82,25 @@ def _log_scale(values: list[float]) -> bool:
     return bool(values) and min(values) > 0 and max(values) > 3 * min(values)
 
 
+def _score_series(history: Sequence[SyncRecord]) -> dict[str, tuple[list[int], list[float]]]:
+    """The score panel's lines: the best and mean score where the search read the signal's
+    scores, and apart, the mean training loss recorded while it did not (another quantity:
+    one line through both would show a jump that is not the run's). A line is broken (nan)
+    where the other kind of record sits."""
+    def finite(r: SyncRecord) -> list[float]:
+        return [s for s in r.scores if not math.isnan(s)]
+
+    xs = [r.step for r in history]
+    scored = [r.searched is not False for r in history]
+    best = [min(finite(r), default=math.nan) if ok else math.nan for r, ok in zip(history, scored)]
+    mean = [math.fsum(f) / len(f) if ok and (f := finite(r)) else math.nan for r, ok in zip(history, scored)]
+    out = {"best": (xs, best), "mean": (xs, mean)}
+    if not all(scored):
+        out["training loss"] = (xs, [math.fsum(f) / len(f) if not ok and (f := finite(r)) else math.nan
+                                     for r, ok in zip(history, scored)])
+    return out
+
+
 def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | None = None) -> Path:
     """Plot each knob's base and the replicas' values per sync, and the scores, to a PNG.
 
@@ -112,12 +131,13 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
         if _log_scale(shown):  # never when a replica sits at 0: it would vanish from a log axis
             ax.set_yscale("log")
     ax = axes[-1]
-    best = [min((s for s in r.scores if not math.isnan(s)), default=math.nan) for r in history]
-    mean = [math.fsum(f) / len(f) if (f := [s for s in r.scores if not math.isnan(s)]) else math.nan
-            for r in history]
-    ax.plot(steps, best, label="best replica")
-    ax.plot(steps, mean, label="mean")
-    if _log_scale([v for v in best + mean if not math.isnan(v)]):  # early scores dwarf the late ones
+    series = _score_series(history)
+    style = {"best": ("-", "C0"), "mean": ("-", "C1"), "training loss": (":", "0.5")}
+    for label, (xs, ys) in series.items():
+        ax.plot(xs, ys, style[label][0], color=style[label][1],
+                label=label if label != "training loss" else "training loss (search not acting)")
+    shown = [v for _, ys in series.values() for v in ys if not math.isnan(v)]
+    if _log_scale(shown):  # early scores dwarf the late ones
         ax.set_yscale("log")
     ax.set_ylabel("score")
     ax.set_xlabel("step")

@@ -35,6 +35,9 @@ class SyncRecord:
             sync (the latest value of each name).
         points: the multipliers ``rho_p`` of the run's displacement at which ``scores``
             were taken (:class:`~hpx.search.Stretch`), or ``None``.
+        searched: whether ``scores`` are the signal's, read by the search (``False``: the
+            replicas' training loss over the interval, recorded while the search does not act,
+            a different quantity; ``None`` in histories written before this field).
     """
 
     step: int
@@ -51,3 +54,4 @@ class SyncRecord:
     wall: float | None = None
     metrics: dict[str, float] | None = None
     points: list[float] | None = None
+    searched: bool | None = None

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpx
-from hpx.history import _log_scale
-from tests._digits import data
+from hpx.history import _log_scale, _score_series
+from tests._digits import ce, data, mlp
 
 T = 4
 
@@ -84,6 +84,26 @@ def test_plot_axes():
     assert not _log_scale([0.0, 0.1, 0.2])         # a replica at 0 would vanish from a log axis
     assert not _log_scale([0.5, 0.6, 1.0])         # narrow: linear
     assert not _log_scale([])
+
+
+def test_records_say_whether_the_search_read_their_scores_and_the_plot_keeps_them_apart(digits):
+    """autolr's hold syncs record the training loss, not probe scores: the plot draws it as its
+    own line instead of joining it to the scores (a jump that would not be the run's)."""
+    model = mlp()
+    engine = hpx.autolr(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=40,
+                        probe=data(digits, 1, seed=9, size=128), loss_fn=ce)
+    for b in data(digits, 40):
+        engine.step(ce, b)
+    hist = engine.history
+    assert [r.searched for r in hist] == [r.phase != "hold" for r in hist]
+    assert any(r.searched for r in hist) and not all(r.searched for r in hist)
+    series = _score_series(hist)
+    for i, r in enumerate(hist):
+        assert math.isnan(series["best"][1][i]) != bool(r.searched)
+        assert math.isnan(series["training loss"][1][i]) == bool(r.searched)
+    assert series["best"][1][0] == min(hist[0].scores)
+    old = [hpx.SyncRecord(step=1, bases={}, values={}, scores=[1.0, 2.0])]  # written before the field
+    assert _score_series(old) == {"best": ([1], [1.0]), "mean": ([1], [1.5])}
 
 
 def test_plot_a_knob_that_reaches_zero_and_a_sync_without_scores(tmp_path):
