@@ -58,7 +58,9 @@ class ProgressBar:
         """The text shown after the bar for ``record``."""
         parts = [f"{name} {base:.4g}" for name, base in record.bases.items()]
         finite = [s for s in record.scores if math.isfinite(s)]
-        if finite:
+        if finite and record.searched is False:  # the training loss: the search is not acting
+            parts.append(f"train loss {sum(finite) / len(finite):.4g}")
+        elif finite:
             parts.append(f"best {min(finite):.4g}")
         if record.phase:
             parts.append(str(record.phase))

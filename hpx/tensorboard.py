@@ -51,7 +51,9 @@ class TensorBoard:
             w.add_scalar(f"hpx/applied/{name}/min", min(vals), t)
             w.add_scalar(f"hpx/applied/{name}/max", max(vals), t)
         finite = [s for s in rec.scores if math.isfinite(s)]
-        if finite:
+        if finite and rec.searched is False:  # the training loss, recorded while the search does not act
+            w.add_scalar("hpx/train_loss", sum(finite) / len(finite), t)
+        elif finite:
             w.add_scalar("hpx/score/best", min(finite), t)
             w.add_scalar("hpx/score/mean", sum(finite) / len(finite), t)
         w.add_scalar("hpx/nonfinite", len(rec.nonfinite), t)

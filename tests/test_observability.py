@@ -73,8 +73,9 @@ def test_tensorboard_writes_the_trajectories(digits, tmp_path):
     assert applied == pytest.approx([max(r.applied["lr"]) for r in engine.history])
     # a value logged after the step that synced goes to the next record
     assert [e.value for e in acc.Scalars("metrics/train/step")] == [2.0, 6.0, 10.0]
-    best = [e.value for e in acc.Scalars("hpx/score/best")]
-    assert best == pytest.approx([min(r.scores) for r in engine.history])
+    best = [(e.step, e.value) for e in acc.Scalars("hpx/score/best")]
+    assert best == [(r.step, pytest.approx(min(r.scores))) for r in engine.history if r.searched]
+    assert best  # the search read scores at some syncs
     with pytest.raises(hpx.ConfigError, match="a directory or a SummaryWriter"):
         hpx.TensorBoard(42)
 
@@ -86,7 +87,7 @@ def test_plot_axes():
     assert not _log_scale([])
 
 
-def test_records_say_whether_the_search_read_their_scores_and_the_plot_keeps_them_apart(digits):
+def test_records_say_whether_the_search_read_their_scores_and_the_plot_keeps_them_apart(digits, tmp_path):
     """autolr's hold syncs record the training loss, not probe scores: the plot draws it as its
     own line instead of joining it to the scores (a jump that would not be the run's)."""
     model = mlp()
@@ -104,6 +105,20 @@ def test_records_say_whether_the_search_read_their_scores_and_the_plot_keeps_the
     assert series["best"][1][0] == min(hist[0].scores)
     old = [hpx.SyncRecord(step=1, bases={}, values={}, scores=[1.0, 2.0])]  # written before the field
     assert _score_series(old) == {"best": ([1], [1.0]), "mean": ([1], [1.5])}
+    hold = next(r for r in hist if not r.searched)
+    assert "train loss" in hpx.ProgressBar.postfix(hold) and "best" not in hpx.ProgressBar.postfix(hold)
+    assert "best" in hpx.ProgressBar.postfix(hist[0])
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = hpx.TensorBoard(tmp_path / "tb")
+    for r in hist:
+        board(r)
+    board.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("hpx/score/best")] == [r.step for r in hist if r.searched]
+    assert [e.step for e in acc.Scalars("hpx/train_loss")] == [r.step for r in hist if not r.searched]
 
 
 def test_plot_a_knob_that_reaches_zero_and_a_sync_without_scores(tmp_path):
