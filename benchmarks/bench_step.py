@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import report
+from benchmarks.timing import side_by_side
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- bench_step -->", "<!-- /bench_step -->"
 
 
 def _model() -> nn.Module:
@@ -40,20 +40,6 @@ def _model() -> nn.Module:
 def _sgd(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
 
-
-def _side_by_side(a: Callable[[], None], b: Callable[[], None], rounds: int,
-                  reps: int) -> tuple[float, float]:
-    """Median over rounds of CPU seconds per call of ``a`` and ``b``, alternating their order."""
-    for _ in range(2):
-        a(), b()
-    ta, tb = [], []
-    for r in range(rounds):
-        for f, out in ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta)):
-            t = time.process_time()
-            for _ in range(reps):
-                f()
-            out.append((time.process_time() - t) / reps)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def _average_(lists: list[list[torch.Tensor]]) -> None:
@@ -94,8 +80,8 @@ def measure(n: int, rounds: int, reps: int) -> dict[str, float]:
     def hand_sync() -> None:
         _average_(states)
 
-    step_hpx, step_hand = _side_by_side(lambda: engine.step(loss_fn, (x, y)), hand_step, rounds, reps)
-    sync_hpx, sync_hand = _side_by_side(engine.converge, hand_sync, rounds, reps)
+    step_hpx, step_hand = side_by_side(lambda: engine.step(loss_fn, (x, y)), hand_step, rounds, reps)
+    sync_hpx, sync_hand = side_by_side(engine.converge, hand_sync, rounds, reps)
     amort_hpx, amort_hand = 99 * step_hpx + (step_hpx + sync_hpx), 100 * step_hand + sync_hand
     return {"n": n, "params": sum(p.numel() for p in params[0]), "step_hpx": step_hpx, "step_hand": step_hand,
             "sync_hpx": sync_hpx, "sync_hand": sync_hand, "amortised": amort_hpx / amort_hand}
@@ -125,14 +111,13 @@ def measure_autolr(rounds: int, reps: int) -> dict[str, float]:
         opt.step()
         step[0] += 1
 
-    hpx_s, hand_s = _side_by_side(lambda: engine.step(loss_fn, (x, y)), hand_step, rounds, reps)
+    hpx_s, hand_s = side_by_side(lambda: engine.step(loss_fn, (x, y)), hand_step, rounds, reps)
     return {"step_hpx": hpx_s, "step_hand": hand_s}
 
 
 def section(rows: list[dict[str, float]], wall: float, command: str,
             auto: dict[str, float] | None = None) -> str:
     lines = [
-        BEGIN,
         "## In-process engine against a hand-written shared-gradient loop",
         "",
         f"Command: `{command}` ({wall:.0f} s) on {platform.machine()}, {torch.get_num_threads()} torch "
@@ -155,18 +140,8 @@ def section(rows: list[dict[str, float]], wall: float, command: str,
                   f"run and are not timed here), per step against the same plain loop writing its "
                   f"schedule's learning rate: {1e3 * auto['step_hpx']:.2f} ms against "
                   f"{1e3 * auto['step_hand']:.2f} ms, {auto['step_hpx'] / auto['step_hand']:.3f}x."]
-    lines += ["", END]
     return "\n".join(lines)
 
-
-def _write(text: str) -> None:
-    doc = DOC.read_text()
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        doc = head + text + rest.split(END, 1)[1]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text + "\n"
-    DOC.write_text(doc)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     text = section(rows, time.perf_counter() - start, command, auto)
     print(text)
     if not args.no_write:
-        _write(text)
+        report.write_section(DOC, "bench_step", text)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -33,9 +32,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import report
+from benchmarks.timing import side_by_side
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- scaling -->", "<!-- /scaling -->"
 WIDTHS = {0.22: 256, 0.83: 512, 3.2: 1024, 12.7: 2048}  # about this many M parameters -> hidden width
 
 
@@ -51,19 +52,6 @@ def _mlp(width: int, depth: int = 4) -> nn.Module:
 def _sgd(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
 
-
-def _side_by_side(a: Callable[[], None], b: Callable[[], None], rounds: int,
-                  reps: int) -> tuple[float, float]:
-    """Median over rounds of CPU seconds per call of ``a`` and ``b``, alternating their order."""
-    a(), b()
-    ta, tb = [], []
-    for r in range(rounds):
-        for f, out in ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta)):
-            t = time.process_time()
-            for _ in range(reps):
-                f()
-            out.append((time.process_time() - t) / reps)
-    return statistics.median(ta), statistics.median(tb)
 
 
 @torch.no_grad()
@@ -82,7 +70,7 @@ def sync_cost(width: int, n: int, rounds: int, reps: int) -> dict[str, float]:
     engine = hpx.Engine(_mlp(width), _sgd, [hpx.LearningRate(spread=0.3)], replicas=n, sync_every=10 ** 9)
     copies = [_mlp(width) for _ in range(n)]
     states = [[t for t in m.state_dict().values() if t.is_floating_point()] for m in copies]
-    hpx_s, hand_s = _side_by_side(engine.converge, lambda: _hand_average(states), rounds, reps)
+    hpx_s, hand_s = side_by_side(engine.converge, lambda: _hand_average(states), rounds, reps)
     return {"params": sum(p.numel() for p in copies[0].parameters()), "n": n, "hpx": hpx_s, "hand": hand_s}
 
 
@@ -107,7 +95,7 @@ def knob_cost(k: int, rounds: int) -> dict[str, float]:
 
     every, never = build(1), build(10 ** 9)
     steps = 20
-    t_every, t_never = _side_by_side(lambda: [every.step(loss_fn, (x, y)) for _ in range(steps)],
+    t_every, t_never = side_by_side(lambda: [every.step(loss_fn, (x, y)) for _ in range(steps)],
                                      lambda: [never.step(loss_fn, (x, y)) for _ in range(steps)], rounds, 1)
     return {"k": k, "sync": (t_every - t_never) / steps, "step": t_never / steps}
 
@@ -175,7 +163,7 @@ def memory(kind: str, n: int, width: int) -> float:
 
 def section(res: dict, wall: float, command: str) -> str:
     mib = 2 ** 20
-    lines = [BEGIN, "## How costs grow: parameters, replicas, knobs, memory", "",
+    lines = ["## How costs grow: parameters, replicas, knobs, memory", "",
              f"Command: `{command}` ({wall:.0f} s) on {platform.machine()}, 1 torch thread; Python "
              f"{platform.python_version()}, torch {torch.__version__}. What is measured: the docstring of "
              "`benchmarks/scaling.py`. Sync: `Engine.converge()` against a hand-written foreach average of "
@@ -213,18 +201,9 @@ def section(res: dict, wall: float, command: str) -> str:
               "N replicas cost about N copies of the model and its optimizer state (in shared mode the "
               "replicas' momenta are identical; storing them once is open work; resident-memory peaks "
               "carry some allocator noise); `hpx.autolr` costs one model plus one copy of its parameters "
-              "(the starting point) and the probe's forward.", "", END]
+              "(the starting point) and the probe's forward."]
     return "\n".join(lines)
 
-
-def _write(text: str) -> None:
-    doc = DOC.read_text()
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        doc = head + text + rest.split(END, 1)[1]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text + "\n"
-    DOC.write_text(doc)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -257,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
     text = section(res, time.perf_counter() - start, f"python -m benchmarks.scaling {shown}".strip())
     print(text)
     if not args.no_write:
-        _write(text)
+        report.write_section(DOC, "scaling", text)
 
 
 if __name__ == "__main__":

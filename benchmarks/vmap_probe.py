@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,9 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
+from benchmarks import report
+from benchmarks.timing import side_by_side
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- vmap_probe -->", "<!-- /vmap_probe -->"
 
 
 def _mlp(width: int, seed: int) -> nn.Module:
@@ -37,18 +37,6 @@ def _mlp(width: int, seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                          nn.Linear(width, 10))
 
-
-def _side_by_side(a: Callable[[], None], b: Callable[[], None], rounds: int,
-                  reps: int) -> tuple[float, float]:
-    a(), b()
-    ta, tb = [], []
-    for r in range(rounds):
-        for f, out in ((a, ta), (b, tb)) if r % 2 == 0 else ((b, tb), (a, ta)):
-            t = time.process_time()
-            for _ in range(reps):
-                f()
-            out.append((time.process_time() - t) / reps)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def measure(width: int, n: int, rounds: int, reps: int) -> dict[str, float]:
@@ -79,13 +67,13 @@ def measure(width: int, n: int, rounds: int, reps: int) -> dict[str, float]:
     want, got = separate(), batched()
     for i, name in enumerate(params):  # the same gradients
         torch.testing.assert_close(got[name], torch.stack([w[i] for w in want]), rtol=1e-4, atol=1e-6)
-    t_sep, t_vmap = _side_by_side(separate, batched, rounds, reps)
+    t_sep, t_vmap = side_by_side(separate, batched, rounds, reps)
     return {"width": width, "n": n, "params": sum(p.numel() for p in models[0].parameters()),
             "separate": t_sep, "vmap": t_vmap}
 
 
 def section(rows: list[dict[str, float]], wall: float, command: str) -> str:
-    lines = [BEGIN, "## N small replicas as one batched model (torch.func), measured", "",
+    lines = ["## N small replicas as one batched model (torch.func), measured", "",
              f"Command: `{command}` ({wall:.0f} s) on {platform.machine()}, 1 torch thread; Python "
              f"{platform.python_version()}, torch {torch.__version__}. What is compared: the docstring of "
              "`benchmarks/vmap_probe.py` (forward and backward of N replicas, a batch of 16 each; the same "
@@ -108,18 +96,9 @@ def section(rows: list[dict[str, float]], wall: float, command: str) -> str:
               "On a GPU the per-call overheads are kernel launches (several per layer and replica, each a "
               "few microseconds), larger relative to small replicas' arithmetic than on a CPU, so the "
               "gain for small replicas should be larger there; not measured (no GPU here). Engine "
-              "integration (training N replicas through one vmap) is not done.", "", END]
+              "integration (training N replicas through one vmap) is not done."]
     return "\n".join(lines)
 
-
-def _write(text: str) -> None:
-    doc = DOC.read_text()
-    if BEGIN in doc and END in doc:
-        head, rest = doc.split(BEGIN, 1)
-        doc = head + text + rest.split(END, 1)[1]
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text + "\n"
-    DOC.write_text(doc)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     text = section(rows, time.perf_counter() - start, f"python -m benchmarks.vmap_probe {shown}".strip())
     print(text)
     if not args.no_write:
-        _write(text)
+        report.write_section(DOC, "vmap_probe", text)
 
 
 if __name__ == "__main__":
