@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import report
-from benchmarks.timing import side_by_side
+from benchmarks.timing import hand_average, side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -41,15 +41,6 @@ def _sgd(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
 
 
-
-def _average_(lists: list[list[torch.Tensor]]) -> None:
-    """Every list's tensors <- the mean over the lists, with foreach ops (what a user would write)."""
-    mean = torch._foreach_add(lists[0], lists[1])
-    for ts in lists[2:]:
-        torch._foreach_add_(mean, ts)
-    torch._foreach_div_(mean, len(lists))
-    for ts in lists:
-        torch._foreach_copy_(ts, mean)
 
 
 def measure(n: int, rounds: int, reps: int) -> dict[str, float]:
@@ -72,13 +63,13 @@ def measure(n: int, rounds: int, reps: int) -> dict[str, float]:
             o.zero_grad(set_to_none=True)
         for m, xx, yy in zip(models, xs, ys):
             F.cross_entropy(m(xx), yy).backward()
-        _average_([[p.grad for p in ps] for ps in params])
+        hand_average([[p.grad for p in ps] for ps in params])
         for o in opts:
             o.step()
 
     @torch.no_grad()
     def hand_sync() -> None:
-        _average_(states)
+        hand_average(states)
 
     step_hpx, step_hand = side_by_side(lambda: engine.step(loss_fn, (x, y)), hand_step, rounds, reps)
     sync_hpx, sync_hand = side_by_side(engine.converge, hand_sync, rounds, reps)

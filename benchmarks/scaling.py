@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks import report
-from benchmarks.timing import side_by_side
+from benchmarks.timing import hand_average, side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -54,15 +54,6 @@ def _sgd(m: nn.Module) -> torch.optim.Optimizer:
 
 
 
-@torch.no_grad()
-def _hand_average(lists: list[list[torch.Tensor]]) -> None:
-    mean = torch._foreach_add(lists[0], lists[1])
-    for ts in lists[2:]:
-        torch._foreach_add_(mean, ts)
-    torch._foreach_div_(mean, len(lists))
-    for ts in lists:
-        torch._foreach_copy_(ts, mean)
-
 
 def sync_cost(width: int, n: int, rounds: int, reps: int) -> dict[str, float]:
     import hpx
@@ -70,7 +61,7 @@ def sync_cost(width: int, n: int, rounds: int, reps: int) -> dict[str, float]:
     engine = hpx.Engine(_mlp(width), _sgd, [hpx.LearningRate(spread=0.3)], replicas=n, sync_every=10 ** 9)
     copies = [_mlp(width) for _ in range(n)]
     states = [[t for t in m.state_dict().values() if t.is_floating_point()] for m in copies]
-    hpx_s, hand_s = side_by_side(engine.converge, lambda: _hand_average(states), rounds, reps)
+    hpx_s, hand_s = side_by_side(engine.converge, lambda: hand_average(states), rounds, reps)
     return {"params": sum(p.numel() for p in copies[0].parameters()), "n": n, "hpx": hpx_s, "hand": hand_s}
 
 
@@ -131,7 +122,7 @@ def _memory_child(kind: str, n: int, width: int) -> None:
                 o.zero_grad()
                 F.cross_entropy(m(xx), yy).backward()
                 o.step()
-        _hand_average([list(m.parameters()) for m in models])
+        hand_average([list(m.parameters()) for m in models])
     elif kind == "hpx":
         engine = hpx.Engine(_mlp(width), _sgd, [hpx.LearningRate(spread=0.3)], replicas=n, sync_every=5,
                             signal=hpx.IntervalLoss())

@@ -1,10 +1,13 @@
-"""Side-by-side CPU timing shared by the overhead benchmarks (bench_step, scaling, vmap_probe)."""
+"""Side-by-side CPU timing and the hand-written average shared by the overhead benchmarks
+(bench_step, scaling, vmap_probe)."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
+
+import torch
 
 
 def side_by_side(a: Callable[[], object], b: Callable[[], object], rounds: int,
@@ -21,3 +24,15 @@ def side_by_side(a: Callable[[], object], b: Callable[[], object], rounds: int,
                 f()
             out.append((time.process_time() - t) / reps)
     return statistics.median(ta), statistics.median(tb)
+
+
+@torch.no_grad()
+def hand_average(lists: list[list[torch.Tensor]]) -> None:
+    """Every list's tensors <- the mean over the lists, with foreach ops (what a user would write
+    by hand, the baseline hpx's sync is measured against)."""
+    mean = torch._foreach_add(lists[0], lists[1])
+    for ts in lists[2:]:
+        torch._foreach_add_(mean, ts)
+    torch._foreach_div_(mean, len(lists))
+    for ts in lists:
+        torch._foreach_copy_(ts, mean)

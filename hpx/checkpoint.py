@@ -40,7 +40,7 @@ import random
 import re
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -190,18 +190,10 @@ def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
                            "sharded replicas: resume on the same mesh with load_checkpoint(..., "
                            "elastic=False)"])
     rank = engine.collective.rank
-    excluded: set[int] = set()
-    while True:
-        step = _agree(engine, [s for s in _complete_for_all(root) if s not in excluded])
-        if step is None:
-            return None
-        folder = root / f"step-{step:09d}"
-        paths = sorted(folder.glob("rank-*.pt"))
-        intact = all(_intact(p, step) for p in paths)
-        oks = _processes(engine).all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
-        if bool((oks > 0).all()):
-            break
-        excluded.add(step)
+    found = _newest_for_all(root, engine)
+    if found is None:
+        return None
+    step, folder, paths = found
     states = [torch.load(p, map_location="cpu", weights_only=False) for p in paths]
     problems = []
     worlds = {st.get("world_size") for st in states}
@@ -283,18 +275,10 @@ def _load_sharded(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
     from hpx.averaging import local
 
     procs = _processes(engine)
-    excluded: set[int] = set()
-    while True:
-        step = _agree(engine, [s for s in _complete_for_all(root) if s not in excluded])
-        if step is None:
-            return None
-        folder = root / f"step-{step:09d}"
-        paths = sorted(folder.glob("rank-*.pt"))
-        intact = (folder / _SHARDS / ".metadata").is_file() and all(_intact(p, step) for p in paths)
-        oks = procs.all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
-        if bool((oks > 0).all()):
-            break
-        excluded.add(step)
+    found = _newest_for_all(root, engine, lambda folder: (folder / _SHARDS / ".metadata").is_file())
+    if found is None:
+        return None
+    step, folder, paths = found
     states = [torch.load(p, map_location="cpu", weights_only=False) for p in paths]
     problems = []
     if any("replica" not in st for st in states):
@@ -354,6 +338,24 @@ def _local_params(engine: Engine) -> list[torch.Tensor]:
 
 
 # --- helpers ------------------------------------------------------------------------------
+
+
+def _newest_for_all(root: Path, engine: Engine, also: Callable[[Path], bool] | None = None,
+                    ) -> tuple[int, Path, list[Path]] | None:
+    """The newest step whose every saved process's file is complete and intact (and ``also``
+    holds for its folder) on every process: (step, folder, the files), or None."""
+    excluded: set[int] = set()
+    while True:
+        step = _agree(engine, [s for s in _complete_for_all(root) if s not in excluded])
+        if step is None:
+            return None
+        folder = root / f"step-{step:09d}"
+        paths = sorted(folder.glob("rank-*.pt"))
+        intact = (also is None or also(folder)) and all(_intact(p, step) for p in paths)
+        oks = _processes(engine).all_gather(torch.tensor([1.0 if intact else 0.0], device=_device(engine)))
+        if bool((oks > 0).all()):
+            return step, folder, paths
+        excluded.add(step)
 
 
 def _sidecar_info(path: Path) -> dict[str, Any]:
