@@ -64,7 +64,7 @@ def average_(
         # one replica in all: the mean is the replica itself; only its finiteness is in question
         return not check_finite or _agreed(_all_finite(first), collective, first[0].device)
     if collective.world_size == 1 and not any(t.dtype in _LOW_PRECISION for t in first):
-        return _average_local_(replicas, weights, total_weight, write, check_finite, collective)
+        return _average_local_(replicas, weights, total_weight, write, collective, check_finite)
     plan = plan_buckets(first, int(bucket_cap_mb * 2**20))
     sums = []
     for idx in plan:
@@ -114,8 +114,8 @@ def _agreed(ok: bool, collective: Collective, device: torch.device) -> bool:
 
 @torch.no_grad()
 def _average_local_(replicas: Sequence[Sequence[torch.Tensor]], weights: Sequence[float],
-                    total_weight: float, write: Sequence[bool], check_finite: bool = False,
-                    collective: Collective | None = None) -> bool:
+                    total_weight: float, write: Sequence[bool], collective: Collective,
+                    check_finite: bool = False) -> bool:
     """One process: the same sum, in the same order, with foreach ops on the tensors
     themselves (one extra copy of a replica's tensors; no flat buffers to build and split)."""
     live = [(rep, w) for rep, w in zip(replicas, weights) if w != 0]
@@ -130,8 +130,7 @@ def _average_local_(replicas: Sequence[Sequence[torch.Tensor]], weights: Sequenc
         acc = torch._foreach_mul(x0, w0)  # 0 + w0 * x0, as the flat path
     for rep, w in rest:
         torch._foreach_add_(acc, [t.detach() for t in rep], alpha=w)
-    if check_finite and not (_all_finite(acc) if collective is None
-                             else _agreed(_all_finite(acc), collective, acc[0].device)):
+    if check_finite and not _agreed(_all_finite(acc), collective, acc[0].device):
         return False
     torch._foreach_div_(acc, total_weight)
     for rep, do in zip(replicas, write):

@@ -92,7 +92,7 @@ def autolr(
             Give more only for a layout you want (per-replica batch statistics, as plain DDP on
             that many devices would have).
         backend: the :class:`~hpx.backends.Collective` (default: in process).
-        span: the search's width: replicas scored from ``1/span`` to ``span`` times the run's
+        span: the search's width: points scored from ``1/span`` to ``span`` times the run's
             displacement; one sync moves the learning rate by at most ``span``.
         **settings: other :class:`~hpx.EngineConfig` settings (``seed``, ``mode``,
             ``history_file``, ``history_limit``, ``bucket_cap_mb``, ``check_consistency``,
