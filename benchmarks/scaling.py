@@ -11,10 +11,11 @@ decision, the knobs written, the average) with K = 1, 4 or 16 knobs on a small m
 the host-side work shows: measured as a run syncing every step minus one never syncing.
 
 Memory (Linux): each configuration runs in a fresh process (an MLP of 12.7 M parameters, SGD
-with momentum, 5 training steps and a sync); its peak resident memory minus the peak before
-the model was built. One model; N plain copies (models and optimizers, as a
-hand-written loop holds them); hpx with N replicas in shared mode; ``hpx.autolr`` (one model and
-its starting point).
+with momentum or AdamW, 5 training steps and a sync); its peak resident memory minus the peak
+before the model was built. One model; N plain copies (models and optimizers, as a
+hand-written loop holds them); hpx with N replicas in shared mode, with one optimizer state
+for all (the default) and with one per replica (``shared_optimizer_state=False``);
+``hpx.autolr`` (one model and its starting point).
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ def _mlp(width: int, depth: int = 4) -> nn.Module:
 
 def _sgd(m: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+
+
+def _adamw(m: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
+
+
+OPTIMIZERS = {"SGD with momentum": _sgd, "AdamW": _adamw}
 
 
 
@@ -91,10 +99,11 @@ def knob_cost(k: int, rounds: int) -> dict[str, float]:
     return {"k": k, "sync": (t_every - t_never) / steps, "step": t_never / steps}
 
 
-def _memory_child(kind: str, n: int, width: int) -> None:
+def _memory_child(kind: str, n: int, width: int, optimizer: str) -> None:
     """Run one configuration and print its peak resident memory over the baseline, in bytes."""
     import hpx
 
+    make = OPTIMIZERS[optimizer]
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(32 * max(n, 1), 64, generator=g), torch.randint(0, 10, (32 * max(n, 1),), generator=g)
@@ -109,28 +118,29 @@ def _memory_child(kind: str, n: int, width: int) -> None:
 
     if kind == "one model":
         m = _mlp(width)
-        opt = _sgd(m)
+        opt = make(m)
         for _ in range(5):
             opt.zero_grad()
             F.cross_entropy(m(x), y).backward()
             opt.step()
     elif kind == "plain copies":
         models = [_mlp(width) for _ in range(n)]
-        opts = [_sgd(m) for m in models]
+        opts = [make(m) for m in models]
         for _ in range(5):
             for m, o, xx, yy in zip(models, opts, x.tensor_split(n), y.tensor_split(n)):
                 o.zero_grad()
                 F.cross_entropy(m(xx), yy).backward()
                 o.step()
         hand_average([list(m.parameters()) for m in models])
-    elif kind == "hpx":
-        engine = hpx.Engine(_mlp(width), _sgd, [hpx.LearningRate(spread=0.3)], replicas=n, sync_every=5,
-                            signal=hpx.IntervalLoss())
+    elif kind in ("hpx", "hpx per replica"):
+        engine = hpx.Engine(_mlp(width), make, [hpx.LearningRate(spread=0.3)], replicas=n, sync_every=5,
+                            signal=hpx.IntervalLoss(), shared_optimizer_state=kind == "hpx")
+        assert (engine.unshared_reason is None) == (kind == "hpx"), engine.unshared_reason
         for _ in range(5):
             engine.step(loss_fn, (x, y))
     else:  # autolr
         m = _mlp(width)
-        engine = hpx.autolr(m, _sgd(m), total_steps=100, probe=[(x[:32], y[:32])])
+        engine = hpx.autolr(m, make(m), total_steps=100, probe=[(x[:32], y[:32])])
         for _ in range(5):
             engine.step(loss_fn, (x, y))
     print(json.dumps({"bytes": _status("VmHWM") - base}))
@@ -146,9 +156,9 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field} (the memory part needs Linux)")
 
 
-def memory(kind: str, n: int, width: int) -> float:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--child", kind, str(n), str(width)],
-                         cwd=ROOT, capture_output=True, text=True, check=True)
+def memory(kind: str, n: int, width: int, optimizer: str) -> float:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--child", kind, str(n), str(width),
+                          optimizer], cwd=ROOT, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])["bytes"]
 
 
@@ -171,28 +181,34 @@ def section(res: dict, wall: float, command: str) -> str:
               "| knobs | sync ms | a step without a sync, ms |", "| ---: | ---: | ---: |"]
     for r in res["knobs"]:
         lines.append(f"| {r['k']} | {1e3 * r['sync']:.2f} | {1e3 * r['step']:.2f} |")
-    one = res["memory"]["one model"]
     weights = res["mem_params"] * 4 / mib
     lines += ["", f"Peak memory (resident, over the process's own baseline), MLP of "
-              f"{res['mem_params'] / 1e6:.1f} M parameters ({weights:.0f} MiB of weights), SGD with "
-              "momentum:", "",
-              "| configuration | replicas | MiB | x one model | x N plain copies |",
-              "| --- | ---: | ---: | ---: | ---: |"]
-    lines.append(f"| one model | 1 | {one / mib:.0f} | 1.00 | |")
-    lines.append(f"| hpx.autolr (one model + its starting point) | 1 | {res['memory']['autolr'] / mib:.0f} | "
-                 f"{res['memory']['autolr'] / one:.2f} | |")
-    for n in res["mem_n"]:
-        plain, hpx_b = res["memory"][f"plain copies/{n}"], res["memory"][f"hpx/{n}"]
-        lines.append(f"| N plain copies | {n} | {plain / mib:.0f} | {plain / one:.2f} | 1.00 |")
-        lines.append(f"| hpx.Engine, shared mode | {n} | {hpx_b / mib:.0f} | {hpx_b / one:.2f} | "
-                     f"{hpx_b / plain:.2f} |")
+              f"{res['mem_params'] / 1e6:.1f} M parameters ({weights:.0f} MiB of weights):", "",
+              "| optimizer | configuration | replicas | MiB | x one model | x N plain copies |",
+              "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for opt in OPTIMIZERS:
+        mem = res["memory"][opt]
+        one = mem["one model"]
+        lines.append(f"| {opt} | one model | 1 | {one / mib:.0f} | 1.00 | |")
+        auto = mem["autolr"]
+        lines.append(f"| {opt} | hpx.autolr (one model + its starting point) | 1 | {auto / mib:.0f} | "
+                     f"{auto / one:.2f} | |")
+        for n in res["mem_n"]:
+            plain = mem[f"plain copies/{n}"]
+            lines.append(f"| {opt} | N plain copies | {n} | {plain / mib:.0f} | {plain / one:.2f} | 1.00 |")
+            for kind, label in (("hpx", "hpx.Engine, shared mode, one optimizer state"),
+                                ("hpx per replica", "... with a state per replica")):
+                b = mem[f"{kind}/{n}"]
+                lines.append(f"| {opt} | {label} | {n} | {b / mib:.0f} | {b / one:.2f} | {b / plain:.2f} |")
     lines += ["", "Reading it: a sync's cost is linear in parameters x replicas and stays within a small "
               "factor of the hand-written average; the knobs add host-side work per sync that does not "
               "depend on the model's size; on small models a fixed cost (about half a millisecond) shows. "
-              "N replicas cost about N copies of the model and its optimizer state (in shared mode the "
-              "replicas' momenta are identical; storing them once is open work; resident-memory peaks "
-              "carry some allocator noise); `hpx.autolr` costs one model plus one copy of its parameters "
-              "(the starting point) and the probe's forward."]
+              "In shared mode the replicas keep one optimizer state between them (stored once, updated "
+              "once per step; each replica applies the update with its own learning rate), so N replicas "
+              "cost N copies of the weights and their gradients plus one optimizer state; with a state "
+              "per replica they cost about N plain copies. Resident-memory peaks carry some allocator "
+              "noise. `hpx.autolr` costs one model plus one copy of its parameters (the starting point) "
+              "and the probe's forward."]
     return "\n".join(lines)
 
 
@@ -200,7 +216,7 @@ def section(res: dict, wall: float, command: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
-        _memory_child(argv[1], int(argv[2]), int(argv[3]))
+        _memory_child(argv[1], int(argv[2]), int(argv[3]), argv[4])
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
@@ -218,11 +234,12 @@ def main(argv: list[str] | None = None) -> None:
     width = WIDTHS[12.7]
     res["mem_params"] = sum(p.numel() for p in _mlp(width).parameters())
     res["mem_n"] = (2, 4, 8)
-    res["memory"]["one model"] = memory("one model", 1, width)
-    res["memory"]["autolr"] = memory("autolr", 1, width)
-    for n in res["mem_n"]:
-        res["memory"][f"plain copies/{n}"] = memory("plain copies", n, width)
-        res["memory"][f"hpx/{n}"] = memory("hpx", n, width)
+    for opt in OPTIMIZERS:
+        mem = res["memory"][opt] = {"one model": memory("one model", 1, width, opt),
+                                    "autolr": memory("autolr", 1, width, opt)}
+        for n in res["mem_n"]:
+            for kind in ("plain copies", "hpx", "hpx per replica"):
+                mem[f"{kind}/{n}"] = memory(kind, n, width, opt)
     shown = " ".join(a for a in argv if a != "--no-write")
     text = section(res, time.perf_counter() - start, f"python -m benchmarks.scaling {shown}".strip())
     print(text)

@@ -45,6 +45,11 @@ class EngineConfig(BaseModel):
         average_optimizer_state: also average the optimizer's state (momenta,
             Adam moments) at syncs. They are equal across replicas in shared
             mode; in independent mode this is a choice.
+        shared_optimizer_state: in shared mode, keep one optimizer state for all the
+            replicas of a process where it is provably the same for each (SGD with
+            momentum, Adam, AdamW, NAdam, RAdam, Adamax, RMSprop, Adagrad, with weight
+            decay only decoupled, and knobs on lr and weight decay only): stored and
+            updated once instead of once per replica. ``False``: one per replica.
         meta_lr, momentum: ``lambda`` and ``beta`` of the controller.
         debias_momentum: correct the controller's velocity for its start at 0
             (as Adam does), so the first syncs take full steps; ``False`` is the
@@ -80,6 +85,7 @@ class EngineConfig(BaseModel):
     controller: bool = True
     average: bool = True
     average_optimizer_state: bool = False
+    shared_optimizer_state: bool = True
     meta_lr: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.5
     momentum: Annotated[float, Field(ge=0, lt=1)] = 0.9
     debias_momentum: bool = True

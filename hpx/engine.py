@@ -30,6 +30,7 @@ from typing import Any, Union
 import torch
 
 from hpx._seed import derive_seed
+from hpx._shared_state import _SharedState, unshareable
 from hpx.averaging import average_, broadcast_, float_state, optimizer_state_tensors
 from hpx.averaging import params as _params
 from hpx.backends import default_backend
@@ -38,6 +39,7 @@ from hpx.config import EngineConfig
 from hpx.controller import Controller
 from hpx.errors import ConfigError, ConsistencyError, NonFiniteError
 from hpx.knobs.base import Knob
+from hpx.knobs.optim import GroupKnob, LearningRateScale
 from hpx.registry import Knobs
 from hpx.replica import Replica
 from hpx.search.base import Decision, Search, SyncView
@@ -77,6 +79,12 @@ class Engine:
             replaces hpx's :class:`~hpx.Controller` by any object with its
             ``update``, ``log_mask``, ``state_dict`` and ``load_state_dict``
             (its own settings then apply, not ``meta_lr``, ``momentum``, ...).
+
+    Attributes:
+        unshared_reason: why the local replicas keep an optimizer state each, or ``None``
+            when, in shared mode, they keep one between them (the config's
+            ``shared_optimizer_state``): the state is then updated once per step and
+            each replica applies the direction with its own learning rate and weight decay.
 
     The recommended way to build an engine that finds the learning rate is
     :func:`hpx.autolr`, which picks the strategy, spread, sync schedule and
@@ -184,12 +192,22 @@ class Engine:
             self.knobs.load_state_dict(self.collective.broadcast_object(self.knobs.state_dict(), 0))
         dev = next((p.device for p in self.replicas[0].model.parameters()), torch.device("cpu"))
         shared = cfg.mode == "shared" and (local > 1 or (world > 1 and not self._framework_reduces))
+        # Shared mode: the replicas' optimizer states are equal; keep one where that is provable.
+        self._state: _SharedState | None = None
+        self.unshared_reason: str | None = "not shared mode, or one replica per process"
+        if shared and local > 1:
+            self.unshared_reason = ("shared_optimizer_state=False" if not cfg.shared_optimizer_state else
+                                    unshareable(self.replicas, [getattr(k, "key", "lr") for k in self.knobs
+                                                                if _writes_optimizer(k)]))
+            if self.unshared_reason is None:
+                self._state = _SharedState(self.replicas)
         # One process on the CPU: autograd's own gradients and a foreach mean (reading which
-        # losses are finite costs nothing there). Elsewhere: flat buckets, a masked reduction
-        # on the device and one collective per bucket.
+        # losses are finite costs nothing there); with one optimizer state, one gradient that
+        # every replica's backward adds into. Elsewhere: flat buckets, a masked reduction on
+        # the device and one collective per bucket.
         self._grads: _GradBuckets | _ForeachMean | None = (
-            None if not shared else _ForeachMean(self.replicas) if world == 1 and dev.type == "cpu"
-            else _GradBuckets(self.replicas))
+            None if not shared else _ForeachMean(self.replicas, fold=self._state is not None)
+            if world == 1 and dev.type == "cpu" else _GradBuckets(self.replicas))
         self._acc = torch.zeros(local, device=dev)  # per local replica: sum of the interval's finite losses
         self._bad = torch.zeros(local, device=dev)  # ... and how many of its losses were non-finite
         self._acc_n = [0] * local  # ... and how many losses were recorded (host-side count)
@@ -396,7 +414,8 @@ class Engine:
                 raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
                                 f"of shape {getattr(loss, 'shape', None)})")
             out = loss * scale if scale != 1 else loss
-            (scaler.scale(out) if scaler is not None else out).backward()
+            if self._grads is None or self._grads.admit(loss):  # not into one gradient if non-finite
+                (scaler.scale(out) if scaler is not None else out).backward()
             losses.append(loss.detach().reshape(()))
         lt = torch.stack(losses).to(self._acc.dtype)
         self._accumulate(lt, range(self.n_local))
@@ -413,10 +432,15 @@ class Engine:
         the gradient. Nothing to do (and nothing done) in independent mode, with one replica
         per process under DDP (which reduces during backward), or twice in one step.
         """
+        self._reduce(alias=False)
+
+    def _reduce(self, alias: bool) -> None:
+        # alias: every replica's gradient may be the one mean tensor (one shared optimizer
+        # state reads it once; unscaling or clipping each replica's would repeat the work)
         if self._grads is not None and not self._reduced:
             if self._fresh:  # no engine.backward this step: a loop of its own may have moved them
                 self._grads.adopt_()
-            self._grads.average_(self._step_loss, self.collective)
+            self._grads.average_(self._step_loss, self.collective, alias=alias)
         self._reduced = True
 
     def optimizer_step(self, *, max_grad_norm: float | None = None,
@@ -437,19 +461,32 @@ class Engine:
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                               and not isinstance(max_grad_norm, bool) and max_grad_norm > 0):
             raise ConfigError([f"max_grad_norm must be a number > 0 or None (got {max_grad_norm!r})"])
-        self.reduce()
-        if scaler is not None:
-            for r in self.replicas:
-                scaler.unscale_(r.optimizer)
+        clip, cap = torch.nn.utils.clip_grad_norm_, max_grad_norm
         norms = None
-        if max_grad_norm is not None:
-            clip, cap = torch.nn.utils.clip_grad_norm_, float(max_grad_norm)
-            norms = torch.stack([_whole(clip(r.model.parameters(), cap)) for r in self.replicas])
-        for r in self.replicas:
+        if self._state is not None:  # one state, one mean gradient: unscale, clip and step once
+            self._state.check()
+            self._reduce(alias=True)
+            self._state.attach()
             if scaler is not None:
-                scaler.step(r.optimizer)
+                scaler.unscale_(self._state)
+            if cap is not None:
+                norms = _whole(clip(self._state.parameters(), float(cap))).expand(self.n_local).clone()
+            if scaler is not None:
+                scaler.step(self._state)
             else:
-                r.optimizer.step()
+                self._state.step()
+        else:
+            self.reduce()
+            if scaler is not None:
+                for r in self.replicas:
+                    scaler.unscale_(r.optimizer)
+            if cap is not None:
+                norms = torch.stack([_whole(clip(r.model.parameters(), float(cap))) for r in self.replicas])
+            for r in self.replicas:
+                if scaler is not None:
+                    scaler.step(r.optimizer)
+                else:
+                    r.optimizer.step()
         if scaler is not None:
             scaler.update()
         shared, loss_fn = self._last
@@ -819,6 +856,11 @@ class Engine:
             self._converge(self._sound().to(torch.float64), average=True)  # leave the non-finite out
         return self.replicas[0].model
 
+    def _optimizer_state(self, r: Replica) -> dict[str, Any]:
+        """The replica's ``optimizer.state_dict()``, with the shared state when there is one
+        (checkpoints look the same either way)."""
+        return r.optimizer.state_dict() if self._state is None else self._state.replica_state(r.optimizer)
+
     def _health(self) -> torch.Tensor:
         """``[L]``: finite iff the local replica's weights and buffers all are."""
         return torch.stack([_weights_norm(r.model) for r in self.replicas]).to(self._acc)
@@ -873,7 +915,7 @@ class Engine:
             "history": [asdict(r) for r in self.history],
             "placement": None if self._placement is None else self._placement.clone(),
             "anchor": None if self._anchor is None else [a.detach().cpu().clone() for a in self._anchor],
-            "replicas": [{"model": r.model.state_dict(), "optimizer": r.optimizer.state_dict()}
+            "replicas": [{"model": r.model.state_dict(), "optimizer": self._optimizer_state(r)}
                          for r in self.replicas],
         }
 
@@ -892,7 +934,9 @@ class Engine:
         ConfigError.check(self._load_problems(state))
         for r, s in zip(self.replicas, state.get("replicas", ())):  # absent: hpx state only
             r.model.load_state_dict(s["model"])
-            r.optimizer.load_state_dict(s["optimizer"])
+            r.optimizer.load_state_dict(_own_state(s["optimizer"]))
+        if self._state is not None and state.get("replicas"):
+            self._state.engaged = False  # the next step takes the loaded state over
         self.knobs.load_state_dict(state["knobs"])
         if state.get("signal") is not None and callable(getattr(self.signal, "load_state_dict", None)):
             self.signal.load_state_dict(state["signal"])
@@ -1014,7 +1058,9 @@ class Engine:
                                 for i in opt["state"]}}
         for r in self.replicas:
             r.model.load_state_dict(model)
-            r.optimizer.load_state_dict(opt)
+            r.optimizer.load_state_dict(_own_state(opt))
+        if self._state is not None:
+            self._state.engaged = False  # the next step takes the loaded state over
         first = states[0]
         self.knobs.load_state_dict(first["knobs"])
         if first.get("signal") is not None and callable(getattr(self.signal, "load_state_dict", None)):
@@ -1100,29 +1146,72 @@ class Engine:
 
 
 class _ForeachMean:
-    """The shared-gradient mean of local replicas in one CPU process, on autograd's own
-    gradients: no flat buffer to zero and accumulate into every step (that memset and the
-    read-modify-write cost about 10% of a step at 2.4M parameters)."""
+    """The shared-gradient mean of local replicas in one CPU process.
 
-    def __init__(self, replicas: Sequence[Replica]) -> None:
+    On autograd's own gradients: no flat buffer to zero and accumulate into every step (that
+    memset and the read-modify-write cost about 10% of a step at 2.4M parameters). With
+    ``fold`` (the replicas share one optimizer state, which reads the mean once): one gradient
+    for all, kept from step to step (allocating it each step page-faults it in anew: measured
+    slower); every replica's ``.grad`` is that tensor, so each backward adds into it and no
+    replica's own gradient is ever stored. A replica whose loss is not finite skips its
+    backward; the mean is over the (replica, micro-batch) pairs that ran, which with one
+    micro-batch per step is the mean over the finite replicas.
+    """
+
+    def __init__(self, replicas: Sequence[Replica], fold: bool = False) -> None:
         self.params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
+        self.fold = fold
         self._mean: list[torch.Tensor] | None = None  # reused from step to step
+        self._one: list[torch.Tensor] | None = None  # fold: the one gradient
+        self._folding = False  # this step's backward passes add into it
+        self._ran = self._pairs = 0  # fold: backward passes that ran / losses seen, this step
 
     def zero_(self) -> None:
+        self._folding = self.fold
+        self._ran = self._pairs = 0
+        if not self.fold:
+            for ps in self.params:
+                for p in ps:
+                    p.grad = None
+            return
+        if self._one is None or any(o.shape != p.shape or o.dtype != p.dtype or o.device != p.device
+                                    for o, p in zip(self._one, self.params[0])):
+            self._one = [torch.zeros_like(p) for p in self.params[0]]
+        else:
+            torch._foreach_zero_(self._one)
         for ps in self.params:
-            for p in ps:
-                p.grad = None
+            for p, o in zip(ps, self._one):
+                p.grad = o
+
+    def admit(self, loss: torch.Tensor) -> bool:
+        """Whether this replica's backward may run (always, unless folding a non-finite loss)."""
+        if not self._folding:
+            return True
+        ok = math.isfinite(float(loss.detach()))  # a host tensor: reading it is free
+        self._pairs += 1
+        self._ran += ok
+        return ok
 
     def adopt_(self) -> None:  # gradients are wherever autograd (or the user) put them
-        return None
+        self._folding = False
 
     @torch.no_grad()
-    def average_(self, losses: torch.Tensor, collective: Collective) -> None:
+    def average_(self, losses: torch.Tensor, collective: Collective, alias: bool = False) -> None:
+        if self._folding:
+            self._folding = False
+            if all(p.grad is o for ps in self.params for p, o in zip(ps, self._one)):
+                self._average_one(alias)
+                return
+            # something replaced a gradient after backward: take each replica's as it is
+            for ps in self.params:
+                for p in ps:
+                    p.grad = None if p.grad is None else p.grad.clone()
         ok = [math.isfinite(v) for v in losses.tolist()]  # host tensors: reading them is free
         if not any(ok):
+            zeros = [torch.zeros_like(p) for p in self.params[0]]
             for ps in self.params:  # no replica to take a gradient from: a zero step, as DDP's mask
-                for p in ps:
-                    p.grad = torch.zeros_like(p)
+                for p, z in zip(ps, zeros):
+                    p.grad = z if alias else z.clone()
             return
         n = len(self.params[0])
         grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in ps] for ps in self.params]
@@ -1136,11 +1225,28 @@ class _ForeachMean:
             torch._foreach_add_(mean, g)
         if len(good) > 1:
             torch._foreach_mul_(mean, 1.0 / len(good))
+        if alias:  # one tensor for all: the replicas' own gradients are freed
+            for ps in self.params:
+                for p, m in zip(ps, mean):
+                    p.grad = m
+            return
         for ps, gs in zip(self.params, grads):
             for p, g in zip(ps, gs):
                 if p.grad is None:
                     p.grad = g
             torch._foreach_copy_([p.grad for p in ps], mean)
+
+    def _average_one(self, alias: bool) -> None:
+        """The one gradient holds the sum of the passes that ran: scale it to their mean."""
+        one, n = self._one, len(self.params)
+        if self._ran and self._ran != self._pairs:  # some left out: the mean of those that ran, as if all had
+            torch._foreach_mul_(one, (self._pairs / n) / self._ran)
+        elif self._ran and n > 1:
+            torch._foreach_mul_(one, 1.0 / n)
+        if not alias:  # a loop of its own steps or unscales each replica: each its own copy
+            for ps in self.params[1:]:
+                for p, o in zip(ps, one):
+                    p.grad = o.clone()
 
 
 class _GradBuckets:
@@ -1187,8 +1293,12 @@ class _GradBuckets:
                     v.copy_(p.grad)
                 p.grad = v
 
-    def average_(self, losses: torch.Tensor, collective: Collective) -> None:
+    def admit(self, loss: torch.Tensor) -> bool:  # every backward runs: the mean masks by loss
+        return True
+
+    def average_(self, losses: torch.Tensor, collective: Collective, alias: bool = False) -> None:
         """Every replica's gradient <- mean over replicas with finite loss (on all ranks).
+        ``alias`` changes nothing here: the buffer keeps a row per replica.
 
         Relies on :meth:`zero_` having put the views back before backward.
         """
@@ -1264,6 +1374,20 @@ def _optimizer_problems(what: str, current: dict[str, Any], saved: Any) -> list[
         return [f"{what}: parameters per group {theirs} in the checkpoint, {mine} here: build the "
                 "optimizer with the saved run's parameter groups"]
     return []
+
+
+def _own_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict whose tensors are its own: ``Optimizer.load_state_dict`` keeps
+    the tensors it is given, so replicas loaded from one dict (or from a checkpoint that
+    stores a shared state once) would otherwise step the same buffers, each in turn."""
+    state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+             for i, st in saved.get("state", {}).items()}
+    return {**saved, "state": state}
+
+
+def _writes_optimizer(knob: Knob) -> bool:
+    """Whether the knob writes an optimizer parameter-group setting (its ``key``, or lr)."""
+    return isinstance(knob, (GroupKnob, LearningRateScale))
 
 
 def _split(batch: Any, n: int) -> list[Any]:

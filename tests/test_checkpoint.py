@@ -182,13 +182,26 @@ def test_elastic_resume_with_another_replica_count(tmp_path, m):
         for r in dst.replicas:
             torch.testing.assert_close(dict(r.model.named_parameters())[name].detach(), mean)
     buf = torch.stack([rep["optimizer"]["state"][0]["momentum_buffer"] for rep in saved["replicas"]]).mean(0)
-    for r in dst.replicas:
-        first = next(iter(r.model.parameters()))
-        torch.testing.assert_close(r.optimizer.state[first]["momentum_buffer"], buf)
+    for rep in dst.state_dict()["replicas"]:  # as each replica's optimizer would hold it
+        torch.testing.assert_close(rep["optimizer"]["state"][0]["momentum_buffer"], buf)
     assert len(dst.values("lr")) == m and len(set(dst.values("lr"))) == m  # m distinct values
     _train(dst, counter, 16)  # and it trains on, through the next syncs
     assert [r.step for r in dst.history][-2:] == [12, 16]
     assert all(len(r.values["lr"]) == m for r in dst.history[-2:])
+
+
+def test_elastic_resume_gives_each_replica_its_own_optimizer_state(tmp_path):
+    src, counter = _engine_n(4), Counter()
+    _train(src, counter, 10, save_to=tmp_path)
+    dst = hpx.Engine(_model(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+                     [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=T, shared_optimizer_state=False)
+    hpx.load_checkpoint(tmp_path, dst, elastic=True)
+    bufs = [r.optimizer.state[next(iter(r.model.parameters()))]["momentum_buffer"] for r in dst.replicas]
+    before = bufs[0].clone()
+    _train(dst, counter, 11)  # one step: each buffer takes the mean gradient once, not once per replica
+    assert bufs[0].data_ptr() != bufs[1].data_ptr()
+    assert torch.equal(bufs[0], bufs[1])
+    assert not torch.allclose(bufs[0], 0.9 * before)  # it moved
 
 
 def test_elastic_refuses_another_model(tmp_path):
