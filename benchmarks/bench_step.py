@@ -8,7 +8,9 @@ runs forward and backward on its chunk of the batch, the gradients are averaged 
 ``torch._foreach_*`` and copied back, and every optimizer steps. A sync by hand: the copies'
 parameters and floating buffers averaged with foreach ops and copied back. hpx: ``Engine.step``
 (N replicas, shared mode, one ``LearningRate`` knob with a spread, no sync inside the timed
-steps) and ``Engine.converge()`` (health check, weighted average of weights and buffers).
+steps; the replicas keep one gradient and one momentum between them, so hpx does one
+optimizer update where the loop does N) and ``Engine.converge()`` (health check, weighted
+average of weights and buffers).
 Also ``hpx.autolr`` (one model) per step against a plain loop that writes its schedule's learning
 rate. CPU time of this process, in alternating blocks so that machine noise hits both alike.
 """

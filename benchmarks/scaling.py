@@ -203,10 +203,11 @@ def section(res: dict, wall: float, command: str) -> str:
     lines += ["", "Reading it: a sync's cost is linear in parameters x replicas and stays within a small "
               "factor of the hand-written average; the knobs add host-side work per sync that does not "
               "depend on the model's size; on small models a fixed cost (about half a millisecond) shows. "
-              "In shared mode the replicas keep one optimizer state between them (stored once, updated "
-              "once per step; each replica applies the update with its own learning rate), so N replicas "
-              "cost N copies of the weights and their gradients plus one optimizer state; with a state "
-              "per replica they cost about N plain copies. Resident-memory peaks carry some allocator "
+              "In shared mode the replicas keep one optimizer state and one gradient between them (stored "
+              "once, the state updated once per step; each replica applies the update with its own "
+              "learning rate), so N replicas cost N copies of the weights plus one gradient and one "
+              "optimizer state; with a state per replica (and a gradient each) about N plain copies. "
+              "Resident-memory peaks carry some allocator "
               "noise. `hpx.autolr` costs one model plus one copy of its parameters (the starting point) "
               "and the probe's forward."]
     return "\n".join(lines)
