@@ -1,4 +1,4 @@
-"""The in-process engine against a hand-written shared-gradient loop doing the same arithmetic.
+"""The in-process engine against the hand-written shared-gradient loop one would write instead.
 
     python -m benchmarks.bench_step            # writes the bench_step section of docs/benchmarks.md
     python -m benchmarks.bench_step --no-write

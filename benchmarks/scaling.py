@@ -15,7 +15,10 @@ with momentum or AdamW, 5 training steps and a sync); its peak resident memory m
 before the model was built. One model; N plain copies (models and optimizers, as a
 hand-written loop holds them); hpx with N replicas in shared mode, with one optimizer state
 for all (the default) and with one per replica (``shared_optimizer_state=False``);
-``hpx.autolr`` (one model and its starting point).
+``hpx.autolr`` (one model and its starting point). And a sync's transient memory: 4 replicas
+of that MLP in float32 and in bfloat16: the peak resident memory during ``Engine.converge()``
+after a step, at the first sync and at the next, over the resident memory before it (the
+peak reset through ``/proc/self/clear_refs``), against one replica's parameter bytes.
 """
 
 from __future__ import annotations
@@ -146,6 +149,27 @@ def _memory_child(kind: str, n: int, width: int, optimizer: str) -> None:
     print(json.dumps({"bytes": _status("VmHWM") - base}))
 
 
+def _transient_child(dtype: str, n: int, width: int) -> None:
+    """Print the resident memory a sync adds at its peak, and one replica's parameter bytes."""
+    import hpx
+
+    torch.set_num_threads(1)
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32 * n, 64, generator=g).to(dt), torch.randint(0, 10, (32 * n,), generator=g)
+    engine = hpx.Engine(_mlp(width).to(dt), _sgd, [hpx.LearningRate(spread=0.3)], replicas=n,
+                        sync_every=10 ** 9)
+    peaks = []
+    for _ in range(2):  # the first sync, and a later one (the allocator has kept what it freed)
+        engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]).float(), b[1]), (x, y))
+        Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here
+        before = _status("VmRSS")
+        engine.converge()
+        peaks.append(_status("VmHWM") - before)
+    nbytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    print(json.dumps({"first": peaks[0], "later": peaks[1], "param_bytes": nbytes}))
+
+
 def _status(field: str) -> int:
     """A memory figure of this process from /proc/self/status, in bytes (Linux). VmHWM, the peak
     resident size, belongs to this program alone (getrusage's maxrss would carry the peak of the
@@ -154,6 +178,12 @@ def _status(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"/proc/self/status has no {field} (the memory part needs Linux)")
+
+
+def transient(dtype: str, n: int, width: int) -> dict:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.scaling", "--transient", dtype, str(n),
+                          str(width)], cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def memory(kind: str, n: int, width: int, optimizer: str) -> float:
@@ -200,6 +230,14 @@ def section(res: dict, wall: float, command: str) -> str:
                                 ("hpx per replica", "... with a state per replica")):
                 b = mem[f"{kind}/{n}"]
                 lines.append(f"| {opt} | {label} | {n} | {b / mib:.0f} | {b / one:.2f} | {b / plain:.2f} |")
+    lines += ["", f"A sync's transient memory ({res['transient_n']} replicas of that MLP, "
+              "`Engine.converge()`; peak resident memory over the memory before it):", "",
+              "| dtype | first sync MiB | x one replica's parameters | a later sync MiB | x |",
+              "| --- | ---: | ---: | ---: | ---: |"]
+    for dtype, t in res["transient"].items():
+        pb = t["param_bytes"]
+        lines.append(f"| {dtype} | {t['first'] / mib:.0f} | {t['first'] / pb:.2f} | {t['later'] / mib:.0f} | "
+                     f"{t['later'] / pb:.2f} |")
     lines += ["", "Reading it: a sync's cost is linear in parameters x replicas and stays within a small "
               "factor of the hand-written average; the knobs add host-side work per sync that does not "
               "depend on the model's size; on small models a fixed cost (about half a millisecond) shows. "
@@ -207,7 +245,9 @@ def section(res: dict, wall: float, command: str) -> str:
               "once, the state updated once per step; each replica applies the update with its own "
               "learning rate), so N replicas cost N copies of the weights plus one gradient and one "
               "optimizer state; with a state per replica (and a gradient each) about N plain copies. "
-              "Resident-memory peaks carry some allocator "
+              "A sync needs one copy of a replica's weights in their own dtype (bfloat16 is summed in "
+              "float32 one bucket at a time); a first sync's peak also carries the allocator growing "
+              "its heap, later ones reuse it. Resident-memory peaks carry some allocator "
               "noise. `hpx.autolr` costs one model plus one copy of its parameters (the starting point) "
               "and the probe's forward."]
     return "\n".join(lines)
@@ -216,6 +256,9 @@ def section(res: dict, wall: float, command: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--transient"]:
+        _transient_child(argv[1], int(argv[2]), int(argv[3]))
+        return
     if argv[:1] == ["--child"]:
         _memory_child(argv[1], int(argv[2]), int(argv[3]), argv[4])
         return
@@ -241,6 +284,8 @@ def main(argv: list[str] | None = None) -> None:
         for n in res["mem_n"]:
             for kind in ("plain copies", "hpx", "hpx per replica"):
                 mem[f"{kind}/{n}"] = memory(kind, n, width, opt)
+    res["transient_n"] = 4
+    res["transient"] = {d: transient(d, 4, width) for d in ("float32", "bfloat16")}
     shown = " ".join(a for a in argv if a != "--no-write")
     text = section(res, time.perf_counter() - start, f"python -m benchmarks.scaling {shown}".strip())
     print(text)

@@ -52,7 +52,9 @@ def average_(
             positive weights means they are all finite, barring an overflow of the sum, which
             the caller then sorts out replica by replica). Every rank reaches the same verdict.
 
-    Low-precision tensors (fp16/bf16) are summed in float32.
+    Low-precision tensors (fp16/bf16) are summed in float32, one bucket at a time; the mean
+    is held in their own dtype until it is written (transient memory: one flat copy of a
+    replica's tensors in their own dtype, plus a bucket).
     """
     if not replicas or not replicas[0]:
         return True
@@ -65,21 +67,27 @@ def average_(
         return not check_finite or _agreed(_all_finite(first), collective, first[0].device)
     if collective.world_size == 1 and not any(t.dtype in _LOW_PRECISION for t in first):
         return _average_local_(replicas, weights, total_weight, write, collective, check_finite)
-    plan = plan_buckets(first, int(bucket_cap_mb * 2**20))
-    sums = []
+    cap = int(bucket_cap_mb * 2**20)
+    # a float32 sum of a low-precision bucket takes twice its bytes: half the cap keeps it within
+    plan = plan_buckets(first, cap // 2 if any(t.dtype in _LOW_PRECISION for t in first) else cap)
+    means = []  # one flat copy in the tensors' own dtype, held until the verdict
     for idx in plan:
         dtype = first[idx[0]].dtype
         acc_dtype = torch.float32 if dtype in _LOW_PRECISION else dtype
         s = torch.zeros(sum(first[i].numel() for i in idx), dtype=acc_dtype, device=first[idx[0]].device)
-        for rep, w in zip(replicas, weights):
-            if w != 0:
-                s.add_(_flat((rep[i] for i in idx), acc_dtype), alpha=w)
-        sums.append(s)
-    collective.all_reduce_sum_(sums)
-    if check_finite and not _agreed(_all_finite(sums), collective, sums[0].device):
-        return False
-    for idx, s in zip(plan, sums):
+        views = list(s.split([first[i].numel() for i in idx]))
+        with torch.no_grad():
+            for rep, w in zip(replicas, weights):
+                if w != 0:  # added in place: no flat copy of the replica
+                    _add_(views, [rep[i].detach().reshape(-1) for i in idx], w)
+        # reduced bucket by bucket (as a backend does anyway), so that a float32 sum of
+        # low-precision tensors lives one bucket at a time
+        collective.all_reduce_sum_([s])
         s.div_(total_weight)
+        means.append(s if acc_dtype == dtype else s.to(dtype))
+    if check_finite and not _agreed(_all_finite(means), collective, means[0].device):
+        return False
+    for idx, s in zip(plan, means):
         parts = s.split([first[i].numel() for i in idx])
         for rep, do in zip(replicas, write):
             if do:
@@ -88,6 +96,21 @@ def average_(
                 with torch.no_grad():
                     torch._foreach_copy_(targets, sources)
     return True
+
+
+_CHUNK = 2**20  # elements: a low-precision tensor is widened this much at a time
+
+
+def _add_(sums: list[torch.Tensor], ts: list[torch.Tensor], w: float) -> None:
+    """``sums += w * ts``. A low-precision tensor added to a float32 sum is first cast whole by
+    torch (a float32 temporary of its size: 800 MB for a 200 M-element embedding), so it is
+    added in chunks instead."""
+    if all(s.dtype == t.dtype for s, t in zip(sums, ts)):
+        torch._foreach_add_(sums, ts, alpha=w)
+        return
+    for s, t in zip(sums, ts):
+        for a, b in zip(s.split(_CHUNK), t.split(_CHUNK)):
+            a.add_(b, alpha=w)
 
 
 @torch.no_grad()

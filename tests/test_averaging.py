@@ -93,3 +93,26 @@ def test_every_process_of_a_replica_acts_on_one_verdict():
     before = [[t.clone() for t in rep] for rep in reps]
     assert average_(reps, [1.0] * 4, 4.0, _ShardDisagrees(), check_finite=True) is False
     assert all(torch.equal(a, b) for rep, was in zip(reps, before) for a, b in zip(rep, was))
+
+
+class _Recording(_Identity):
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce_sum_(self, tensors):
+        self.calls.append([(t.dtype, t.numel()) for t in tensors])
+
+
+def test_low_precision_is_summed_in_float32_one_bucket_at_a_time():
+    g = torch.Generator().manual_seed(4)
+    shapes = [(64, 32), (32,), (32, 16)]
+    reps = [[torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes] for _ in range(4)]
+    want = [(sum(rep[i].float() for rep in reps) / 4).to(torch.bfloat16) for i in range(len(shapes))]
+    coll = _Recording()
+    assert average_(reps, [1.0] * 4, 4.0, coll, bucket_cap_mb=32 * 32 * 2 / 2**20, check_finite=True)
+    for rep in reps:
+        for t, w in zip(rep, want):
+            assert t.dtype == torch.bfloat16 and torch.equal(t, w)
+    # every float32 sum was reduced on its own, before the next bucket was summed
+    assert len(coll.calls) >= 2 and all(len(c) == 1 and c[0][0] == torch.float32 for c in coll.calls)
+    assert max(c[0][1] for c in coll.calls) < sum(torch.Size(s).numel() for s in shapes)
