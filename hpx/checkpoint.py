@@ -185,10 +185,8 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
 
 def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool) -> int | None:
     """Every saved rank's file of the newest step complete for all of them, into ``engine``."""
-    if _processes(engine) is not engine.collective:
-        raise ConfigError([f"an elastic resume averages whole saved replicas; {engine.collective!r} holds "
-                           "sharded replicas: resume on the same mesh with load_checkpoint(..., "
-                           "elastic=False)"])
+    if _sharded(engine):
+        return _load_sharded_elastic(root, engine, extra, rng)
     rank = engine.collective.rank
     found = _newest_for_all(root, engine)
     if found is None:
@@ -222,13 +220,14 @@ def _sharded(engine: Engine) -> bool:
     return _processes(engine) is not engine.collective
 
 
-def _shard_state(engine: Engine, anchored: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+def _shard_state(engine: Engine, anchored: bool, replica: int | None = None,
+                 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """What goes through torch.distributed.checkpoint: the model's and optimizer's state and the
     search's starting point; returned as (the state as torch gives it, the same tensors as this
     replica's own entries). torch.distributed.checkpoint takes a tensor replicated over the
     mesh's replicate dim to be the same on every replica, and hpx's replicas differ: each
     replica's tensors are re-viewed on its shard group alone (the same storage) under a key of
-    its own, ``replica<r>``."""
+    its own, ``replica<r>`` (``replica``: another replica's key, to load that one's tensors)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor
 
@@ -257,7 +256,8 @@ def _shard_state(engine: Engine, anchored: bool) -> tuple[dict[str, Any], dict[s
             return [own(v) for v in x]
         return x
 
-    return state, {f"replica{engine.collective.rank}": own(state)}
+    key = engine.collective.rank if replica is None else replica
+    return state, {f"replica{key}": own(state)}
 
 
 def _save_shards(engine: Engine, where: Path) -> None:
@@ -317,6 +317,79 @@ def _load_sharded(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
     if rng:
         _set_rng_state(own["rng"])
     return step
+
+
+def _load_sharded_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None,
+                          rng: bool) -> int | None:
+    """The newest step every saved process completed, into sharded replicas of another count (or
+    layout): every replica starts from the mean of the saved replicas' weights and optimizer
+    state, each read through torch.distributed.checkpoint into this rank's shards in turn."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from hpx.averaging import local
+
+    procs = _processes(engine)
+    found = _newest_for_all(root, engine, lambda folder: (folder / _SHARDS / ".metadata").is_file())
+    if found is None:
+        return None
+    step, folder, paths = found
+    states = [torch.load(p, map_location="cpu", weights_only=False) for p in paths]
+    problems = []
+    if any("replica" not in st for st in states):
+        problems.append(f"{folder} was not saved from sharded replicas: resume it elastically with an "
+                        "engine of whole replicas (an in-process or torch.distributed backend)")
+    ConfigError.check(problems)
+    saved = sorted({st["replica"] for st in states})
+    first = min(states, key=lambda st: st["rank"])
+    own = states[procs.rank] if procs.rank < len(states) else first
+    eng = dict(first.get("engine") or {})
+    anchored = bool(first.get("anchored"))
+    if anchored:  # shaped like this run's shards, for the checks; loaded below
+        eng["anchor"] = [torch.zeros_like(t) for t in _local_params(engine)]
+    problems += [f"{folder}: {p}" for p in engine._load_problems(eng, elastic=True)]
+    if eng.get("n_replicas") != len(saved):
+        problems.append(f"{folder} holds the files of replicas {saved} of a run of {eng.get('n_replicas')}: "
+                        "it is incomplete")
+    missing = [name for name in (extra or {}) if name not in own.get("extra", {})]
+    if missing:
+        problems.append(f"{folder} holds no state for {missing}: give load_checkpoint the extra objects that "
+                        "were saved")
+    ConfigError.check(problems)
+    sums: list[torch.Tensor] | None = None
+    for r in saved:  # each saved replica in turn into this rank's shards; their floating tensors summed
+        shards, view = _shard_state(engine, anchored, replica=r)
+        dcp.load(view, checkpoint_id=str(folder / _SHARDS))
+        _adopt(shards, view[f"replica{r}"])
+        tensors = _floating(shards)
+        if sums is None:
+            sums = [local(t).detach().clone() for t in tensors]
+        else:
+            torch._foreach_add_(sums, [local(t).detach() for t in tensors])
+    assert sums is not None
+    with torch.no_grad():
+        torch._foreach_div_(sums, float(len(saved)))
+        torch._foreach_copy_([local(t) for t in _floating(shards)], sums)  # the anchor is the same on all
+    rep = engine.replicas[0]
+    set_state_dict(rep.model, rep.optimizer, model_state_dict=shards["model"],
+                   optim_state_dict=shards["optim"])
+    if anchored:
+        eng["anchor"] = [local(t).clone() for t in shards["anchor"].values()]
+    engine._resume_elastic(eng)
+    for name, obj in (extra or {}).items():
+        obj.load_state_dict(own["extra"][name])
+    if rng:
+        _set_rng_state(own["rng"])
+    return step
+
+
+def _floating(state: Any) -> list[torch.Tensor]:
+    """The floating-point tensors of a nested state, in a fixed order."""
+    if isinstance(state, dict):
+        return [t for k in state for t in _floating(state[k])]
+    if isinstance(state, (list, tuple)):
+        return [t for v in state for t in _floating(v)]
+    return [state] if torch.is_tensor(state) and state.is_floating_point() else []
 
 
 def _adopt(into: Any, loaded: Any) -> None:

@@ -1061,7 +1061,11 @@ class Engine:
             r.optimizer.load_state_dict(_own_state(opt))
         if self._state is not None:
             self._state.engaged = False  # the next step takes the loaded state over
-        first = states[0]
+        self._resume_elastic(states[0])
+
+    def _resume_elastic(self, first: dict[str, Any]) -> None:
+        """hpx's own state from a run of another replica count, the weights being loaded
+        (``first``: the saved rank 0's state, checked)."""
         self.knobs.load_state_dict(first["knobs"])
         if first.get("signal") is not None and callable(getattr(self.signal, "load_state_dict", None)):
             self.signal.load_state_dict(first["signal"])

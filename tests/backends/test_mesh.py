@@ -106,6 +106,9 @@ def runs(tmp_path_factory, digits):
         for b in batches[:STEPS]:
             _train_step(engine, mode, b)  # split in halves: replica r holds the quarters of mesh row r
         local[mode] = {"history": _hist(engine), "params": [_full(r.model) for r in engine.replicas]}
+        if mode == "shared":  # the momentum, equal on both replicas (as a checkpoint holds it)
+            st = engine.state_dict()["replicas"][0]["optimizer"]["state"]
+            local[mode]["momentum"] = torch.cat([st[i]["momentum_buffer"].reshape(-1) for i in sorted(st)])
     model = mlp()
     auto = hpx.autolr(model, torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9), total_steps=STEPS,
                       probe=probe, loss_fn=ce, seed=0)
@@ -174,6 +177,56 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_shards(runs):
         _assert_same_history(r["history"], want["history"])
         torch.testing.assert_close(r["params"], want["params"], rtol=1e-5, atol=1e-6)
     assert not torch.allclose(resumed[0]["params"], resumed[1]["params"])  # the replicas differ
+
+
+def _resume_elastic(rank, world_size, batches, probe, ckpt):
+    """The 2 x 2 run's checkpoint resumed elastically as 1 replica sharded over 2 processes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hpx.backends import Mesh
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+    model = mlp(seed=7)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = hpx.Engine(model, opt, _knobs(), backend=Mesh(mesh), **_engine_kw(probe))
+    try:
+        hpx.load_checkpoint(ckpt, engine)
+        refused = ""
+    except hpx.ConfigError as e:
+        refused = str(e)
+    step = hpx.load_checkpoint(ckpt, engine, elastic=True)
+    out = {"refused": refused, "step": step, "params": _full(model), "bases": engine.bases,
+           "next_sync": engine.next_sync, "n": engine.n_replicas,
+           "momentum": torch.cat([opt.state[p]["momentum_buffer"].full_tensor().reshape(-1)
+                                  for p in model.parameters()])}
+    for x, y in batches[STEPS:]:  # and it trains on, through the next sync
+        engine.step(ce, (x[rank * 16:(rank + 1) * 16], y[rank * 16:(rank + 1) * 16]))
+    out["syncs"] = [h[0] for h in _hist(engine)]
+    out["after"] = _full(model)
+    return out
+
+
+def test_sharded_replicas_resume_elastically_from_their_mean(runs):
+    """Another replica count: the 2 x 2 run's checkpoint (mid-interval, the replicas differ)
+    resumed as one replica sharded over 2 processes starts from the mean of the two replicas'
+    weights, with the saved step, bases and search, and trains on."""
+    ranks, local = runs
+    resumed = run_distributed(_resume_elastic, 2, local["batches"], local["probe"], local["ckpt"],
+                              timeout=180)
+    saved = [ranks[0]["shared"], ranks[2]["shared"]]  # replica 0's and replica 1's weights at the save
+    assert not torch.allclose(saved[0]["params"], saved[1]["params"])
+    mean = (saved[0]["params"] + saved[1]["params"]) / 2
+    want_bases = saved[0]["history"][-1][1]
+    for r in resumed:
+        assert "checkpoint has 2 replicas, this engine 1" in r["refused"]  # not without asking
+        assert (r["step"], r["n"], r["next_sync"]) == (STEPS, 1, 25)
+        torch.testing.assert_close(r["params"], mean, rtol=1e-6, atol=1e-7)
+        assert r["bases"] == pytest.approx(want_bases)
+        torch.testing.assert_close(r["momentum"], local["shared"]["momentum"], rtol=1e-5, atol=1e-6)
+        assert 25 in r["syncs"] and not torch.equal(r["after"], r["params"])
+    torch.testing.assert_close(resumed[0]["after"], resumed[1]["after"])  # one replica: its two shards agree
 
 
 def test_autolr_on_one_replica_sharded_over_four_ranks(runs):
