@@ -205,9 +205,13 @@ class Engine:
         # losses are finite costs nothing there); with one optimizer state, one gradient that
         # every replica's backward adds into. Elsewhere: flat buckets, a masked reduction on
         # the device and one collective per bucket.
+        self._shared = shared
         self._grads: _GradBuckets | _ForeachMean | None = (
-            None if not shared else _ForeachMean(self.replicas, fold=self._state is not None)
-            if world == 1 and dev.type == "cpu" else _GradBuckets(self.replicas))
+            None if not shared else _ForeachMean(self.replicas) if world == 1 and dev.type == "cpu"
+            else _GradBuckets(self.replicas))
+        # ... and with one optimizer state, one gradient while the engine runs the backward
+        self._one = None if self._state is None else _OneGradient(self.replicas, host=dev.type == "cpu")
+        self._one_step = False  # this step's backward passes write into it
         self._acc = torch.zeros(local, device=dev)  # per local replica: sum of the interval's finite losses
         self._bad = torch.zeros(local, device=dev)  # ... and how many of its losses were non-finite
         self._acc_n = [0] * local  # ... and how many losses were recorded (host-side count)
@@ -393,7 +397,10 @@ class Engine:
                     and self._controls_now(1)):
                 prepare(SyncContext(self.replicas, self._acc, shared, loss_fn, self.collective,
                                     self.step_count))
-            if self._grads is not None:
+            self._one_step = self._one is not None
+            if self._one is not None:
+                self._one.zero_()
+            elif self._grads is not None:
                 self._grads.zero_()
             else:
                 for r in self.replicas:
@@ -414,8 +421,11 @@ class Engine:
                 raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
                                 f"of shape {getattr(loss, 'shape', None)})")
             out = loss * scale if scale != 1 else loss
-            if self._grads is None or self._grads.admit(loss):  # not into one gradient if non-finite
+            if not self._one_step:
                 (scaler.scale(out) if scaler is not None else out).backward()
+            elif self._one.admit(loss):  # on the host: not into the one gradient if non-finite
+                (scaler.scale(out) if scaler is not None else out).backward()
+                self._one.ran(loss)
             losses.append(loss.detach().reshape(()))
         lt = torch.stack(losses).to(self._acc.dtype)
         self._accumulate(lt, range(self.n_local))
@@ -437,10 +447,16 @@ class Engine:
     def _reduce(self, alias: bool) -> None:
         # alias: every replica's gradient may be the one mean tensor (one shared optimizer
         # state reads it once; unscaling or clipping each replica's would repeat the work)
-        if self._grads is not None and not self._reduced:
+        if self._one_step and not self._reduced:
+            if not self._one.intact():
+                raise ConfigError(["a replica's gradient was replaced between engine.backward() and the "
+                                   "optimizer step, while the replicas keep one gradient: modify gradients "
+                                   "in place, or build the engine with shared_optimizer_state=False"])
+            self._one.average_(self.collective, alias=alias)
+        elif self._grads is not None and not self._reduced:
             if self._fresh:  # no engine.backward this step: a loop of its own may have moved them
                 self._grads.adopt_()
-            self._grads.average_(self._step_loss, self.collective, alias=alias)
+            self._grads.average_(self._step_loss, self.collective)
         self._reduced = True
 
     def optimizer_step(self, *, max_grad_norm: float | None = None,
@@ -551,7 +567,7 @@ class Engine:
         and ``loss_fn`` are handed to signals that score replicas on a batch.
         """
         self._check_factors()
-        if self._grads is not None and not self._reduced:
+        if self._shared and not self._reduced:
             raise ConfigError(
                 [f"the {self.n_replicas} replicas train in shared mode, but this step's gradients were "
                  "never averaged: call engine.reduce() after backward and before the optimizers step "
@@ -559,7 +575,7 @@ class Engine:
                  "follow its own gradient and the method would silently change"])
         if self._agreement_due:
             self._check_agreement(settle=True)
-        self._fresh, self._reduced = True, False
+        self._fresh, self._reduced, self._one_step = True, False, False
         self._step_loss.zero_()
         self.step_count += 1
         if self.step_count >= self._next_sync:
@@ -1082,7 +1098,7 @@ class Engine:
         self._draw()  # permutations for this many replicas, from the restored stream
         self._written = [[None] * self.n_local for _ in self.knobs]
         self._bad_factor = None
-        self._fresh, self._reduced = True, False
+        self._fresh, self._reduced, self._one_step = True, False, False
         self._write(force=True)
         self._agreement_due = self.collective.world_size > 1
 
@@ -1150,72 +1166,29 @@ class Engine:
 
 
 class _ForeachMean:
-    """The shared-gradient mean of local replicas in one CPU process.
+    """The shared-gradient mean of local replicas in one CPU process, on autograd's own
+    gradients: no flat buffer to zero and accumulate into every step (that memset and the
+    read-modify-write cost about 10% of a step at 2.4M parameters)."""
 
-    On autograd's own gradients: no flat buffer to zero and accumulate into every step (that
-    memset and the read-modify-write cost about 10% of a step at 2.4M parameters). With
-    ``fold`` (the replicas share one optimizer state, which reads the mean once): one gradient
-    for all, kept from step to step (allocating it each step page-faults it in anew: measured
-    slower); every replica's ``.grad`` is that tensor, so each backward adds into it and no
-    replica's own gradient is ever stored. A replica whose loss is not finite skips its
-    backward; the mean is over the (replica, micro-batch) pairs that ran, which with one
-    micro-batch per step is the mean over the finite replicas.
-    """
-
-    def __init__(self, replicas: Sequence[Replica], fold: bool = False) -> None:
+    def __init__(self, replicas: Sequence[Replica]) -> None:
         self.params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
-        self.fold = fold
         self._mean: list[torch.Tensor] | None = None  # reused from step to step
-        self._one: list[torch.Tensor] | None = None  # fold: the one gradient
-        self._folding = False  # this step's backward passes add into it
-        self._ran = self._pairs = 0  # fold: backward passes that ran / losses seen, this step
 
     def zero_(self) -> None:
-        self._folding = self.fold
-        self._ran = self._pairs = 0
-        if not self.fold:
-            for ps in self.params:
-                for p in ps:
-                    p.grad = None
-            return
-        if self._one is None or any(o.shape != p.shape or o.dtype != p.dtype or o.device != p.device
-                                    for o, p in zip(self._one, self.params[0])):
-            self._one = [torch.zeros_like(p) for p in self.params[0]]
-        else:
-            torch._foreach_zero_(self._one)
         for ps in self.params:
-            for p, o in zip(ps, self._one):
-                p.grad = o
-
-    def admit(self, loss: torch.Tensor) -> bool:
-        """Whether this replica's backward may run (always, unless folding a non-finite loss)."""
-        if not self._folding:
-            return True
-        ok = math.isfinite(float(loss.detach()))  # a host tensor: reading it is free
-        self._pairs += 1
-        self._ran += ok
-        return ok
+            for p in ps:
+                p.grad = None
 
     def adopt_(self) -> None:  # gradients are wherever autograd (or the user) put them
-        self._folding = False
+        return None
 
     @torch.no_grad()
-    def average_(self, losses: torch.Tensor, collective: Collective, alias: bool = False) -> None:
-        if self._folding:
-            self._folding = False
-            if all(p.grad is o for ps in self.params for p, o in zip(ps, self._one)):
-                self._average_one(alias)
-                return
-            # something replaced a gradient after backward: take each replica's as it is
-            for ps in self.params:
-                for p in ps:
-                    p.grad = None if p.grad is None else p.grad.clone()
+    def average_(self, losses: torch.Tensor, collective: Collective) -> None:
         ok = [math.isfinite(v) for v in losses.tolist()]  # host tensors: reading them is free
         if not any(ok):
-            zeros = [torch.zeros_like(p) for p in self.params[0]]
             for ps in self.params:  # no replica to take a gradient from: a zero step, as DDP's mask
-                for p, z in zip(ps, zeros):
-                    p.grad = z if alias else z.clone()
+                for p in ps:
+                    p.grad = torch.zeros_like(p)
             return
         n = len(self.params[0])
         grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in ps] for ps in self.params]
@@ -1229,28 +1202,114 @@ class _ForeachMean:
             torch._foreach_add_(mean, g)
         if len(good) > 1:
             torch._foreach_mul_(mean, 1.0 / len(good))
-        if alias:  # one tensor for all: the replicas' own gradients are freed
-            for ps in self.params:
-                for p, m in zip(ps, mean):
-                    p.grad = m
-            return
         for ps, gs in zip(self.params, grads):
             for p, g in zip(ps, gs):
                 if p.grad is None:
                     p.grad = g
             torch._foreach_copy_([p.grad for p in ps], mean)
 
-    def _average_one(self, alias: bool) -> None:
-        """The one gradient holds the sum of the passes that ran: scale it to their mean."""
-        one, n = self._one, len(self.params)
-        if self._ran and self._ran != self._pairs:  # some left out: the mean of those that ran, as if all had
-            torch._foreach_mul_(one, (self._pairs / n) / self._ran)
-        elif self._ran and n > 1:
-            torch._foreach_mul_(one, 1.0 / n)
-        if not alias:  # a loop of its own steps or unscales each replica: each its own copy
-            for ps in self.params[1:]:
-                for p, o in zip(ps, one):
-                    p.grad = o.clone()
+
+class _OneGradient:
+    """One gradient for all local replicas, when they share one optimizer state (which reads
+    the mean once) and the engine runs their backward.
+
+    Flat buffers per (device, dtype), kept from step to step (allocating a gradient each step
+    page-faults it in anew: measured slower). On the CPU (``host``), where reading a loss
+    is free, every replica's ``.grad`` is a view of the one gradient, each backward adds into
+    it, and a replica whose loss is not finite skips its backward. Elsewhere nothing is read
+    back: every backward writes into one scratch gradient, which is added into the one
+    gradient unless the loss was non-finite (decided on the device), then zeroed. Either
+    way no replica's own gradient is stored. The mean is over the (replica, micro-batch)
+    pairs that ran, scaled as if all had: with one micro-batch per step, the mean over the
+    replicas whose loss was finite, as the per-replica paths give.
+    """
+
+    def __init__(self, replicas: Sequence[Replica], host: bool) -> None:
+        self.params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
+        self.host = host
+        first = self.params[0]
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(first):
+            groups.setdefault((p.device, p.dtype), []).append(i)
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (one, scratch) per group
+        self.one: list[torch.Tensor] = [torch.empty(0)] * len(first)  # per parameter: its view
+        self._into: list[torch.Tensor] = [torch.empty(0)] * len(first)  # where backward writes
+        for (device, dtype), idx in groups.items():
+            sizes = [first[i].numel() for i in idx]
+            one = torch.zeros(sum(sizes), device=device, dtype=dtype)
+            scratch = None if host else torch.zeros_like(one)
+            for i, chunk in zip(idx, one.split(sizes)):
+                self.one[i] = chunk.view(first[i].shape)
+            for i, chunk in zip(idx, (scratch if scratch is not None else one).split(sizes)):
+                self._into[i] = chunk.view(first[i].shape)
+            self._buffers.append((one, scratch))
+        self._pairs = 0  # losses seen this step (host count)
+        self._ran: int | torch.Tensor = 0  # ... of which finite (host int, or a device tensor)
+
+    def zero_(self) -> None:
+        for one, scratch in self._buffers:
+            one.zero_()
+            if scratch is not None:
+                scratch.zero_()
+        for ps in self.params:
+            for p, t in zip(ps, self._into):
+                p.grad = t
+        self._pairs = 0
+        self._ran = 0 if self.host else torch.zeros((), device=self._buffers[0][0].device)
+
+    def admit(self, loss: torch.Tensor) -> bool:
+        """Whether this replica's backward runs (on the host: only if its loss is finite)."""
+        self._pairs += 1
+        if not self.host:
+            return True
+        ok = math.isfinite(float(loss.detach()))  # a host tensor: reading it is free
+        self._ran += ok
+        return ok
+
+    @torch.no_grad()
+    def ran(self, loss: torch.Tensor) -> None:
+        """After a replica's backward (off the host): its gradient into the one, if its loss is finite."""
+        if self.host:
+            return
+        ok = torch.isfinite(loss.detach()).reshape(())
+        self._ran = self._ran + ok.to(self._buffers[0][0].device)
+        for one, scratch in self._buffers:
+            assert scratch is not None
+            scratch.masked_fill_(~ok.to(scratch.device), 0)  # never multiplied: 0 * NaN is NaN
+            one.add_(scratch)
+            scratch.zero_()
+
+    def intact(self) -> bool:
+        """Whether every replica's gradient is still where backward was to write it."""
+        return all(p.grad is t for ps in self.params for p, t in zip(ps, self._into))
+
+    @torch.no_grad()
+    def average_(self, collective: Collective, alias: bool) -> None:
+        """The one gradient <- the mean of the passes that ran, over every rank; every
+        replica's ``.grad`` is then the one (``alias``) or a copy of it."""
+        ones = [one for one, _ in self._buffers]
+        n = len(self.params) * collective.world_size
+        if collective.world_size > 1:
+            ran = torch.as_tensor(self._ran, dtype=torch.float64, device=ones[0].device).reshape(1)
+            collective.all_reduce_sum_([*ones, ran])
+            pairs = self._pairs * collective.world_size
+            factor = (pairs / n) / ran.clamp_min(1)  # on the device: no host read
+            for one in ones:
+                one.mul_(factor.to(one.dtype))
+        elif isinstance(self._ran, int):  # one process, counted on the host
+            if self._ran and self._ran != self._pairs:  # some left out: as if all had run
+                for one in ones:
+                    one.mul_((self._pairs / n) / self._ran)
+            elif n > 1:
+                for one in ones:
+                    one.mul_(1.0 / n)
+        else:
+            factor = (self._pairs / n) / self._ran.clamp_min(1)
+            for one in ones:
+                one.mul_(factor.to(one.dtype))
+        for l, ps in enumerate(self.params):
+            for p, o in zip(ps, self.one):
+                p.grad = o if alias or l == 0 else o.clone()  # a loop of its own: each its own copy
 
 
 class _GradBuckets:
@@ -1258,28 +1317,33 @@ class _GradBuckets:
 
     Autograd accumulates into an existing ``.grad`` in place, so after backward the
     buffer holds every replica's gradient and the shared-gradient mean is one
-    masked reduction per bucket, with no per-tensor copies.
+    masked reduction per bucket, with no per-tensor copies. Built at first use (an engine whose
+    replicas keep one gradient uses it only for a loop that runs its own backward).
     """
 
     def __init__(self, replicas: Sequence[Replica]) -> None:
+        self._replicas = list(replicas)
+        self.buffers: list[torch.Tensor] = []
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its grad view)
+
+    def _build(self) -> None:
+        replicas = self._replicas
         params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(params[0]):
             groups.setdefault((p.device, p.dtype), []).append(i)
-        self.buffers: list[torch.Tensor] = []
-        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its grad view)
         for (device, dtype), idx in groups.items():
             sizes = [params[0][i].numel() for i in idx]
             buf = torch.zeros(len(replicas), sum(sizes), device=device, dtype=dtype)
             self.buffers.append(buf)
             for l, ps in enumerate(params):
                 for i, chunk in zip(idx, buf[l].split(sizes)):
-                    view = chunk.view(ps[i].shape)
-                    ps[i].grad = view
-                    self._views.append((ps[i], view))
+                    self._views.append((ps[i], chunk.view(ps[i].shape)))  # .grad set by zero_/adopt_
 
     def adopt_(self) -> None:
         """Bring gradients that a loop of its own left outside the buffer back into it."""
+        if not self.buffers:
+            self._build()
         for p, v in self._views:
             if p.grad is not v:
                 if p.grad is None:
@@ -1289,20 +1353,15 @@ class _GradBuckets:
                 p.grad = v
 
     def zero_(self) -> None:
+        if not self.buffers:
+            self._build()
         for buf in self.buffers:
             buf.zero_()
         for p, v in self._views:
-            if p.grad is not v:  # someone replaced the grad: take it back into the buffer
-                if p.grad is not None:
-                    v.copy_(p.grad)
-                p.grad = v
+            p.grad = v  # a new step starts from zero, in the buffer
 
-    def admit(self, loss: torch.Tensor) -> bool:  # every backward runs: the mean masks by loss
-        return True
-
-    def average_(self, losses: torch.Tensor, collective: Collective, alias: bool = False) -> None:
+    def average_(self, losses: torch.Tensor, collective: Collective) -> None:
         """Every replica's gradient <- mean over replicas with finite loss (on all ranks).
-        ``alias`` changes nothing here: the buffer keeps a row per replica.
 
         Relies on :meth:`zero_` having put the views back before backward.
         """

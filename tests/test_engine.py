@@ -235,18 +235,19 @@ def test_flat_buckets_and_the_foreach_mean_agree(digits):
     gradients stay views of the buffer, even after a zero_grad(set_to_none=True)."""
     from hpx.engine import _ForeachMean, _GradBuckets
 
-    fast = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.3)], replicas=3, sync_every=2)
-    flat = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.3)], replicas=3, sync_every=2)
+    kw = dict(replicas=3, sync_every=2, shared_optimizer_state=False)  # a gradient per replica
+    fast = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.3)], **kw)
+    flat = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.3)], **kw)
     assert isinstance(fast._grads, _ForeachMean)
     flat._grads = _GradBuckets(flat.replicas)
     bufs = flat._grads.buffers
-    assert len(bufs) == 1 and bufs[0].shape[0] == 3
     for i, b in enumerate(batches(digits, 5)):
         if i == 3:  # a user who zeroes grads to None breaks neither
             for e in (fast, flat):
                 e.replicas[1].optimizer.zero_grad(set_to_none=True)
         fast.step(ce, b)
         flat.step(ce, b)
+    assert len(bufs) == 1 and bufs[0].shape[0] == 3  # built at the first step
     lo, hi = bufs[0].data_ptr(), bufs[0].data_ptr() + bufs[0].numel() * bufs[0].element_size()
     for r in flat.replicas:
         assert all(lo <= p.grad.data_ptr() < hi for p in r.model.parameters())

@@ -229,9 +229,13 @@ def _nan_on(replica: int, calls: set[int]):
     return loss_fn
 
 
-def test_a_nan_loss_is_left_out_of_the_one_gradient(digits):
+@pytest.mark.parametrize("host", [True, False])
+def test_a_nan_loss_is_left_out_of_the_one_gradient(digits, host):
+    from hpx.engine import _OneGradient
+
     x, y = digits
     a, b = build(SHAREABLE["AdamW"]), build(SHAREABLE["AdamW"], share=False)
+    a._one = _OneGradient(a.replicas, host=host)
     for e in (a, b):  # replica 2's loss is NaN at the second step: the mean of the other three
         loss_fn = _nan_on(2, {4 + 3})
         for s in range(6):  # through the sync at step 5
@@ -261,3 +265,69 @@ def test_accumulation_with_a_nan_micro_batch_averages_the_pairs_that_ran(digits)
         F.cross_entropy(ref(xx[half]), yy[half]).backward()
         parts.append(next(iter(ref.parameters())).grad.clone())
     torch.testing.assert_close(grads[0], torch.stack(parts).mean(0), rtol=1e-5, atol=1e-7)
+
+
+def test_off_the_host_the_one_gradient_masks_on_the_device(digits):
+    """Where reading a loss would wait for the device, every backward writes into a scratch
+    gradient that is added in unless its loss is non-finite, decided on the device: the same
+    run as the host path and as a gradient per replica (forced here on the CPU)."""
+    from hpx.engine import _OneGradient
+
+    x, y = digits
+    runs = []
+    for how in ("device", "host"):
+        e = build(SHAREABLE["AdamW"])
+        if how == "device":
+            e._one = _OneGradient(e.replicas, host=False)
+        loss_fn = _nan_on(2, {4 + 3})  # replica 2's loss is NaN at the second step
+        for s in range(6):
+            for mb in range(2):  # two micro-batches
+                part = slice(64 * s + 32 * mb, 64 * s + 32 * (mb + 1))
+                e.backward(loss_fn, (x[part], y[part]), scale=0.5)
+            e.optimizer_step()
+        runs.append(e)
+    assert runs[0]._one._buffers[0][1] is not None  # it ran with a scratch gradient
+    assert_same_run(runs[0], runs[1])
+
+
+def _train_split(engine, x, y, rank: int, world: int, steps: int = 12) -> None:
+    """Step ``steps`` batches of 64; this rank's share of each; global replica 2's loss NaN at
+    step 1 (local replicas of a rank take consecutive parts, as in one process)."""
+    at = [0]
+
+    def loss_fn(rep, batch):
+        loss = ce(rep, batch)
+        return loss * float("nan") if rep.index == 2 and at[0] == 1 else loss
+
+    share = 64 // world
+    for s in range(steps):
+        at[0] = s
+        part = slice(64 * s + share * rank, 64 * s + share * (rank + 1))
+        engine.step(loss_fn, (x[part], y[part]))
+
+
+def _two_ranks_two_replicas(rank, world_size, x, y):
+    e = hpx.Engine(mlp(), SHAREABLE["AdamW"], [hpx.LearningRate(spread=0.5)], replicas=2, sync_every=5,
+                   backend=hpx.backends.TorchDistributed())
+    assert e.unshared_reason is None and e._one is not None
+    _train_split(e, x, y, rank, world_size)
+    return {"params": [torch.cat([p.detach().reshape(-1) for p in r.model.parameters()]) for r in e.replicas],
+            "bases": e.bases, "history": [(h.step, h.bases) for h in e.history]}
+
+
+def test_one_gradient_over_processes_equals_one_process(digits):
+    """2 gloo processes x 2 replicas, one gradient and one state per process, summed over the
+    processes with the count of finite losses: the run of 4 replicas in one process."""
+    from tests._dist import run_distributed
+
+    x, y = digits
+    got = run_distributed(_two_ranks_two_replicas, 2, x[:768], y[:768], timeout=120)
+    one = build(SHAREABLE["AdamW"])
+    _train_split(one, x, y, 0, 1)
+    want = [torch.cat([p.detach().reshape(-1) for p in r.model.parameters()]) for r in one.replicas]
+    for rank, r in enumerate(got):
+        assert [h[0] for h in r["history"]] == [h.step for h in one.history] == [5, 10]
+        assert r["bases"] == pytest.approx(one.bases, rel=1e-5)
+        for l, p in enumerate(r["params"]):
+            torch.testing.assert_close(p, want[2 * rank + l], rtol=1e-5, atol=1e-6)
+    assert all(torch.isfinite(p).all() for p in want)
