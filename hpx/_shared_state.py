@@ -100,7 +100,10 @@ class _SharedState:
         # per replica, per group: the parameters that train (the optimizer skips the others)
         self._params = [[[p for p in g["params"] if p.requires_grad] for g in r.optimizer.param_groups]
                         for r in replicas]
-        self._dirs = [[torch.zeros_like(p) for p in g["params"]] for g in opt.param_groups]
+        # a direction per parameter, numbered as the replica's; empty for frozen ones (which the
+        # optimizer skips): fine-tuning a few parameters of a large model stores only theirs
+        self._dirs = [[torch.zeros_like(p) if p.requires_grad else p.new_empty(0) for p in g["params"]]
+                      for g in opt.param_groups]
         groups = []
         for g, dirs in zip(opt.param_groups, self._dirs):
             groups.append({**{k: g[k] for k in self._keys if k in g}, "params": dirs, "lr": 1.0,

@@ -331,3 +331,17 @@ def test_one_gradient_over_processes_equals_one_process(digits):
         for l, p in enumerate(r["params"]):
             torch.testing.assert_close(p, want[2 * rank + l], rtol=1e-5, atol=1e-6)
     assert all(torch.isfinite(p).all() for p in want)
+
+
+def test_frozen_parameters_take_no_room_in_the_shared_state(digits):
+    def opt(m):
+        m[0].weight.requires_grad_(False)  # a frozen layer, still in the optimizer's group
+        return torch.optim.AdamW(m.parameters(), lr=3e-3)
+
+    a, b = build(opt), build(opt, share=False)
+    train(a, digits, 6)
+    train(b, digits, 6)
+    assert_same_run(a, b)
+    assert a._state._dirs[0][0].numel() == 0 and a._state._dirs[0][1].numel() == 32
+    for ra, rb in zip(a.state_dict()["replicas"], b.state_dict()["replicas"]):
+        assert sorted(ra["optimizer"]["state"]) == sorted(rb["optimizer"]["state"]) == [1, 2, 3]
