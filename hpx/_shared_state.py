@@ -71,6 +71,15 @@ def unshareable(replicas: Sequence[Replica], optimizer_knobs: Sequence[str]) -> 
     return _settings_differ(replicas)
 
 
+def _same(a: object, b: object) -> bool:
+    """Equal settings; tensors (a tensor lr, betas) compared by value."""
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and bool(torch.equal(a, b))
+    return a == b
+
+
 def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [torch.as_tensor(v) for g in opt.param_groups for p in g["params"]
             for _, v in sorted(opt.state.get(p, {}).items())]
@@ -83,8 +92,8 @@ def _settings_differ(replicas: Sequence[Replica]) -> str | None:
     for r in replicas[1:]:
         for i, (g, want) in enumerate(zip(r.optimizer.param_groups, first)):
             got = [g.get(k) for k in keys]
-            if got != want:
-                k = next(k for k, a, b in zip(keys, got, want) if a != b)
+            if not all(_same(a, b) for a, b in zip(got, want)):
+                k = next(k for k, a, b in zip(keys, got, want) if not _same(a, b))
                 return (f"replica {r.index}'s parameter group {i} has {k}={g.get(k)!r}, replica "
                         f"{replicas[0].index}'s {opt.param_groups[i].get(k)!r}")
     return None
