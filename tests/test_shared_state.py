@@ -345,3 +345,18 @@ def test_frozen_parameters_take_no_room_in_the_shared_state(digits):
     assert a._state._dirs[0][0].numel() == 0 and a._state._dirs[0][1].numel() == 32
     for ra, rb in zip(a.state_dict()["replicas"], b.state_dict()["replicas"]):
         assert sorted(ra["optimizer"]["state"]) == sorted(rb["optimizer"]["state"]) == [1, 2, 3]
+
+
+def test_settings_held_as_tensors_are_compared_by_value():
+    from hpx._shared_state import unshareable
+
+    def replicas(beta2):
+        out = []
+        for i, b in enumerate(beta2):
+            m = mlp()
+            out.append(hpx.Replica(i, m, torch.optim.Adam(m.parameters(), lr=1e-3,
+                                                          betas=(torch.tensor(0.9), torch.tensor(b)))))
+        return out
+
+    assert unshareable(replicas([0.999, 0.999]), ["lr"]) is None
+    assert "betas" in unshareable(replicas([0.999, 0.99]), ["lr"])
