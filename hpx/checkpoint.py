@@ -186,7 +186,7 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
 def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool) -> int | None:
     """Every saved rank's file of the newest step complete for all of them, into ``engine``."""
     if _sharded(engine):
-        return _load_sharded_elastic(root, engine, extra, rng)
+        return _load_sharded(root, engine, extra, rng, elastic=True)
     rank = engine.collective.rank
     found = _newest_for_all(root, engine)
     if found is None:
@@ -266,9 +266,12 @@ def _save_shards(engine: Engine, where: Path) -> None:
     dcp.save(_shard_state(engine, engine._anchor is not None)[1], checkpoint_id=str(where))
 
 
-def _load_sharded(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool) -> int | None:
+def _load_sharded(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool,
+                  elastic: bool = False) -> int | None:
     """The newest step every saved process completed, into sharded replicas (any number of
-    shard processes per replica: torch.distributed.checkpoint reshards)."""
+    shard processes per replica: torch.distributed.checkpoint reshards). ``elastic``: another
+    replica count (or layout): every replica starts from the mean of the saved replicas'
+    weights and optimizer state, each read into this rank's shards in turn."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -280,75 +283,32 @@ def _load_sharded(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
         return None
     step, folder, paths = found
     states = [torch.load(p, map_location="cpu", weights_only=False) for p in paths]
-    problems = []
     if any("replica" not in st for st in states):
-        problems.append(f"{folder} was not saved from sharded replicas: resume it with the backend it was "
-                        "saved with")
-    mine = [st for st in states if st.get("replica") == engine.collective.rank]
-    if not problems and not mine:
-        problems.append(f"{folder} holds no process of replica {engine.collective.rank} (its replicas: "
-                        f"{sorted({st['replica'] for st in states})}): resume with as many replicas")
-    # the same process's file when the layout is the same (its random streams and data position),
-    # else the first of its replica's
+        raise ConfigError([f"{folder} was not saved from sharded replicas: resume it with the backend it "
+                           "was saved with"])
+    problems = []
+    saved = sorted({st["replica"] for st in states})
     same = states[procs.rank] if procs.rank < len(states) else None
-    own = same if same is not None and same.get("replica") == engine.collective.rank else (
-        mine[0] if mine else states[0])
-    eng = dict(own.get("engine") or {})
+    if elastic:  # hpx's state from the saved process 0; this process's own streams if it had one
+        first = min(states, key=lambda st: st["rank"])
+        own, eng = same if same is not None else first, dict(first.get("engine") or {})
+        keys = saved
+    else:
+        mine = [st for st in states if st["replica"] == engine.collective.rank]
+        if not mine:
+            problems.append(f"{folder} holds no process of replica {engine.collective.rank} (its replicas: "
+                            f"{saved}): resume with as many replicas, or with load_checkpoint(..., "
+                            "elastic=True)")
+        # the same process's file when the layout is the same (its random streams and data
+        # position), else the first of its replica's
+        own = same if same is not None and same["replica"] == engine.collective.rank else (
+            mine[0] if mine else states[0])
+        eng, keys = dict(own.get("engine") or {}), [engine.collective.rank]
     anchored = bool(own.get("anchored"))
     if anchored:  # shaped like this run's shards, for the checks; loaded below
         eng["anchor"] = [torch.zeros_like(t) for t in _local_params(engine)]
-    problems += [f"{folder}: {p}" for p in engine._load_problems(eng)]
-    missing = [name for name in (extra or {}) if name not in own.get("extra", {})]
-    if missing:
-        problems.append(f"{folder} holds no state for {missing}: give load_checkpoint the extra objects that "
-                        "were saved")
-    ConfigError.check(problems)
-    shards, view = _shard_state(engine, anchored)
-    dcp.load(view, checkpoint_id=str(folder / _SHARDS))  # tensors: into the shards' own storage
-    _adopt(shards, view[f"replica{engine.collective.rank}"])  # and the rest (param groups' settings)
-    rep = engine.replicas[0]
-    set_state_dict(rep.model, rep.optimizer, model_state_dict=shards["model"],
-                   optim_state_dict=shards["optim"])
-    if anchored:
-        eng["anchor"] = [local(t).clone() for t in shards["anchor"].values()]
-    engine.load_state_dict(eng)
-    for name, obj in (extra or {}).items():
-        obj.load_state_dict(own["extra"][name])
-    if rng:
-        _set_rng_state(own["rng"])
-    return step
-
-
-def _load_sharded_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None,
-                          rng: bool) -> int | None:
-    """The newest step every saved process completed, into sharded replicas of another count (or
-    layout): every replica starts from the mean of the saved replicas' weights and optimizer
-    state, each read through torch.distributed.checkpoint into this rank's shards in turn."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    from hpx.averaging import local
-
-    procs = _processes(engine)
-    found = _newest_for_all(root, engine, lambda folder: (folder / _SHARDS / ".metadata").is_file())
-    if found is None:
-        return None
-    step, folder, paths = found
-    states = [torch.load(p, map_location="cpu", weights_only=False) for p in paths]
-    problems = []
-    if any("replica" not in st for st in states):
-        problems.append(f"{folder} was not saved from sharded replicas: resume it elastically with an "
-                        "engine of whole replicas (an in-process or torch.distributed backend)")
-    ConfigError.check(problems)
-    saved = sorted({st["replica"] for st in states})
-    first = min(states, key=lambda st: st["rank"])
-    own = states[procs.rank] if procs.rank < len(states) else first
-    eng = dict(first.get("engine") or {})
-    anchored = bool(first.get("anchored"))
-    if anchored:  # shaped like this run's shards, for the checks; loaded below
-        eng["anchor"] = [torch.zeros_like(t) for t in _local_params(engine)]
-    problems += [f"{folder}: {p}" for p in engine._load_problems(eng, elastic=True)]
-    if eng.get("n_replicas") != len(saved):
+    problems += [f"{folder}: {p}" for p in engine._load_problems(eng, elastic=elastic)]
+    if elastic and eng.get("n_replicas") != len(saved):
         problems.append(f"{folder} holds the files of replicas {saved} of a run of {eng.get('n_replicas')}: "
                         "it is incomplete")
     missing = [name for name in (extra or {}) if name not in own.get("extra", {})]
@@ -356,26 +316,30 @@ def _load_sharded_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] |
         problems.append(f"{folder} holds no state for {missing}: give load_checkpoint the extra objects that "
                         "were saved")
     ConfigError.check(problems)
-    sums: list[torch.Tensor] | None = None
-    for r in saved:  # each saved replica in turn into this rank's shards; their floating tensors summed
-        shards, view = _shard_state(engine, anchored, replica=r)
+    sums: list[torch.Tensor] = []
+    for r in keys:  # a replica's tensors into this rank's shards' own storage, and the rest
+        shards, view = _shard_state(engine, anchored, replica=r)  # (param groups' settings) adopted
         dcp.load(view, checkpoint_id=str(folder / _SHARDS))
         _adopt(shards, view[f"replica{r}"])
-        tensors = _floating(shards)
-        if sums is None:
-            sums = [local(t).detach().clone() for t in tensors]
-        else:
-            torch._foreach_add_(sums, [local(t).detach() for t in tensors])
-    assert sums is not None
-    with torch.no_grad():
-        torch._foreach_div_(sums, float(len(saved)))
-        torch._foreach_copy_([local(t) for t in _floating(shards)], sums)  # the anchor is the same on all
+        if len(keys) > 1:  # elastic: their floating tensors summed, replica by replica
+            tensors = [local(t).detach() for t in _floating(shards)]
+            if sums:
+                torch._foreach_add_(sums, tensors)
+            else:
+                sums = [t.clone() for t in tensors]
+    if sums:
+        with torch.no_grad():
+            torch._foreach_div_(sums, float(len(keys)))
+            torch._foreach_copy_([local(t) for t in _floating(shards)], sums)  # the anchor: equal on all
     rep = engine.replicas[0]
     set_state_dict(rep.model, rep.optimizer, model_state_dict=shards["model"],
                    optim_state_dict=shards["optim"])
     if anchored:
         eng["anchor"] = [local(t).clone() for t in shards["anchor"].values()]
-    engine._resume_elastic(eng)
+    if elastic:
+        engine._resume_elastic(eng)
+    else:
+        engine.load_state_dict(eng)
     for name, obj in (extra or {}).items():
         obj.load_state_dict(own["extra"][name])
     if rng:
