@@ -469,6 +469,10 @@ class Engine:
         ``torch.nn.utils.clip_grad_norm_``), steps each optimizer (through the scaler,
         which skips a step whose gradients are not finite) and updates the scaler.
 
+        When the replicas keep one optimizer state (:attr:`unshared_reason` is ``None``), the
+        mean gradient is one tensor: it is unscaled, clipped and stepped once, and each replica
+        applies the update with its own values.
+
         Returns the ``[L]`` gradient norms before clipping (on device) when clipping, else ``None``.
         """
         if self._fresh:
