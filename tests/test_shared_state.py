@@ -360,3 +360,17 @@ def test_settings_held_as_tensors_are_compared_by_value():
 
     assert unshareable(replicas([0.999, 0.999]), ["lr"]) is None
     assert "betas" in unshareable(replicas([0.999, 0.99]), ["lr"])
+
+
+def test_a_copied_engine_keeps_its_own_state_and_gradient(digits):
+    import copy
+
+    e = build(SHAREABLE["AdamW"])
+    train(e, digits, 3)
+    c = copy.deepcopy(e)
+    before = [p.detach().clone() for p in e.replicas[0].model.parameters()]
+    train(c, digits, 3, start=3)
+    assert all(torch.equal(a, b) for a, b in zip(before, e.replicas[0].model.parameters()))  # untouched
+    assert c._state._params[1][0][0] is next(iter(c.replicas[1].model.parameters()))
+    train(e, digits, 3, start=3)
+    assert_same_run(e, c)
