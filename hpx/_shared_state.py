@@ -62,11 +62,11 @@ def unshareable(replicas: Sequence[Replica], optimizer_knobs: Sequence[str]) -> 
             return f"parameter group {i}: Adagrad's lr_decay makes the update nonlinear in lr"
         if isinstance(opt, torch.optim.SGD) and not g.get("momentum", 0):
             return "SGD without momentum keeps no state to share"
-    shapes = [[[tuple(p.shape) for p in g["params"]] for g in opt.param_groups]]
+    shapes = [[tuple(p.shape) for p in g["params"]] for g in opt.param_groups]
     for r in replicas[1:]:
         o = r.optimizer
         if type(o) is not type(opt) or [[tuple(p.shape) for p in g["params"]]
-                                        for g in o.param_groups] != shapes[0]:
+                                        for g in o.param_groups] != shapes:
             return f"replica {r.index}'s optimizer differs from replica {replicas[0].index}'s"
     return _settings_differ(replicas)
 
@@ -92,6 +92,11 @@ def _settings_differ(replicas: Sequence[Replica]) -> str | None:
     for r in replicas[1:]:
         for i, (g, want) in enumerate(zip(r.optimizer.param_groups, first)):
             got = [g.get(k) for k in keys]
+            try:  # every step: plain values compare at C speed
+                if got == want:
+                    continue
+            except RuntimeError:  # a tensor of several elements: compared by value below
+                pass
             if not all(_same(a, b) for a, b in zip(got, want)):
                 k = next(k for k, a, b in zip(keys, got, want) if not _same(a, b))
                 return (f"replica {r.index}'s parameter group {i} has {k}={g.get(k)!r}, replica "

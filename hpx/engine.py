@@ -202,8 +202,7 @@ class Engine:
             if self.unshared_reason is None:
                 self._state = _SharedState(self.replicas)
         # One process on the CPU: autograd's own gradients and a foreach mean (reading which
-        # losses are finite costs nothing there); with one optimizer state, one gradient that
-        # every replica's backward adds into. Elsewhere: flat buckets, a masked reduction on
+        # losses are finite costs nothing there). Elsewhere: flat buckets, a masked reduction on
         # the device and one collective per bucket.
         self._shared = shared
         self._grads: _GradBuckets | _ForeachMean | None = (
