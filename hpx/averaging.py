@@ -9,14 +9,15 @@ The result can be written to every replica (the converge step) or only to some
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 import torch
 
 from hpx._buckets import plan_buckets
 from hpx.backends.base import Collective
 
-__all__ = ["average_", "broadcast_", "float_state", "local", "optimizer_state_tensors", "params"]
+__all__ = ["average_", "broadcast_", "constant_buffers", "float_state", "local", "optimizer_state_tensors",
+           "params"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -199,16 +200,30 @@ def _reshard(module: torch.nn.Module) -> None:
             reshard()
 
 
-def float_state(module: torch.nn.Module) -> list[torch.Tensor]:
+def float_state(module: torch.nn.Module, constants: Collection[str] = ()) -> list[torch.Tensor]:
     """A model's parameters and floating-point buffers, in a fixed order (this rank's
     shards of sharded ones).
 
     Integer buffers (``num_batches_tracked``) are left out: they are equal on
-    every replica anyway, and averaging integers is not defined.
+    every replica anyway, and averaging integers is not defined. So are the buffers named in
+    ``constants`` (see :func:`constant_buffers`).
     """
     out = params(module)
-    out += [local(b) for b in module.buffers() if b.is_floating_point()]  # FSDP2 keeps buffers whole
+    out += [local(b) for name, b in module.named_buffers()  # FSDP2 keeps buffers whole
+            if b.is_floating_point() and name not in constants]
     return out
+
+
+@torch.no_grad()
+def constant_buffers(module: torch.nn.Module) -> frozenset[str]:
+    """Names of the floating buffers that hold a non-finite value before training: constants
+    such as a causal mask of ``-inf`` above the diagonal
+    (``nn.Transformer.generate_square_subsequent_mask``), not statistics that training
+    updates. They are equal on every replica; averaging them would turn ``-inf`` into NaN
+    when the replicas' masks mix signs, and a health check would read them as blown-up weights,
+    so they are neither averaged nor checked. Read once, when the engine is built."""
+    return frozenset(name for name, b in module.named_buffers()
+                     if b.is_floating_point() and b.numel() and not bool(torch.isfinite(local(b)).all()))
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -23,7 +23,7 @@ import math
 import os
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict
 from typing import Any, Union
 
@@ -31,7 +31,7 @@ import torch
 
 from hpx._seed import derive_seed
 from hpx._shared_state import _SharedState, unshareable
-from hpx.averaging import average_, broadcast_, float_state, optimizer_state_tensors
+from hpx.averaging import average_, broadcast_, constant_buffers, float_state, optimizer_state_tensors
 from hpx.averaging import params as _params
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
@@ -240,6 +240,9 @@ class Engine:
         for s in states[1:]:
             with torch.no_grad():
                 torch._foreach_copy_(s, states[0])
+        # floating buffers that are constants (a causal mask's -inf), not weights: never averaged
+        # or checked (read after the broadcast, so every rank names the same ones)
+        self._constants = constant_buffers(self.replicas[0].model)
         if self._placement is not None:  # rank 0's start, before any warm noise: equal on every rank
             self._anchor = [p.detach().clone() for p in _params(self.replicas[0].model)]
         if cfg.warm_init:
@@ -641,7 +644,8 @@ class Engine:
             return True
         w = [float(x) for x in local_w]
         total = float(weights.sum())
-        if not average_([float_state(r.model) for r in self.replicas], w, total, self.collective,
+        states = [float_state(r.model, self._constants) for r in self.replicas]
+        if not average_(states, w, total, self.collective,
                         write=write, bucket_cap_mb=cfg.bucket_cap_mb, check_finite=check):
             return False
         opt_states = [optimizer_state_tensors(r.optimizer) for r in self.replicas]
@@ -882,7 +886,7 @@ class Engine:
 
     def _health(self) -> torch.Tensor:
         """``[L]``: finite iff the local replica's weights and buffers all are."""
-        return torch.stack([_weights_norm(r.model) for r in self.replicas]).to(self._acc)
+        return torch.stack([_weights_norm(r.model, self._constants) for r in self.replicas]).to(self._acc)
 
     # --- inspection ----------------------------------------------------------------------
 
@@ -1402,7 +1406,9 @@ def _mean_states(states: list[dict[str, Any]]) -> dict[str, Any]:
     """Entry by entry: the mean of floating tensors (in float64, cast back), else the first's."""
     out = {}
     for k, v in states[0].items():
-        if torch.is_tensor(v) and v.is_floating_point():
+        if torch.is_tensor(v) and v.is_floating_point() and all(torch.equal(v, st[k]) for st in states[1:]):
+            out[k] = v  # equal everywhere (a constant such as a causal mask of -inf): kept as it is
+        elif torch.is_tensor(v) and v.is_floating_point():
             acc = torch.zeros_like(v, dtype=torch.float64)
             for st in states:
                 acc += st[k].to(torch.float64)
@@ -1503,9 +1509,10 @@ def _cut(batch: Any, n: int) -> list[Any]:
     return [batch] * n
 
 
-def _weights_norm(model: torch.nn.Module) -> torch.Tensor:
-    """A scalar that is finite iff every floating weight and buffer is (stays on device)."""
-    ts = [t.detach() for t in float_state(model)]
+def _weights_norm(model: torch.nn.Module, constants: Collection[str] = ()) -> torch.Tensor:
+    """A scalar that is finite iff every floating weight and buffer is, the ``constants``
+    aside (stays on device)."""
+    ts = [t.detach() for t in float_state(model, constants)]
     if not ts:
         return torch.zeros(())
     return torch.stack([n.float() for n in torch._foreach_norm(ts)]).sum()
