@@ -79,7 +79,9 @@ def autolr(
         schedule: the lr's shape over the run: ``f(step) -> factor`` for every group (1 at the
             peak), or a torch ``LRScheduler`` built on an optimizer with the same param groups
             (stepped once on a copy and divided by its peak; every group must follow the same
-            shape; its peak learning rates are the ones explored around). ``None``: constant.
+            shape; its peak learning rates are the ones explored around; a momentum or beta1
+            cycle, as OneCycleLR and CyclicLR write one, is followed exactly, not explored).
+            ``None``: constant.
             Build ``optimizer`` with the *peak* learning rates.
         probe: held-out batches to score replicas on (cycled, up to 4 per sync; a list of a few
             batches of a validation split is enough). ``None``: each sync step's training batch.
@@ -113,29 +115,40 @@ def autolr(
     if any(getattr(k, "name", None) == "lr" for k in knobs):
         problems.append("knob name 'lr' is autolr's own learning-rate knob: name yours differently")
     ConfigError.check(problems)
-    lrs = None
+    lrs, followed = None, []
     if isinstance(schedule, LRScheduler):
-        schedule, lrs = _shape_of(schedule, int(total_steps))
+        schedule, lrs, followed = _shape_of(schedule, int(total_steps))
     search = Stretch(int(total_steps), span=span)
     if probe is not None:  # a few held-out batches per sync (the whole probe when it is that small)
         n = min(len(probe), _PROBE_BATCHES) if isinstance(probe, Sized) and len(probe) else 1
         signal: Any = ProbeStream(probe, loss_fn=loss_fn, batches=n)
     else:
         signal = SharedBatch(loss_fn=loss_fn)
-    registry = Knobs(LearningRateScale("lr", schedule=schedule, lrs=lrs), *knobs)
+    registry = Knobs(LearningRateScale("lr", schedule=schedule, lrs=lrs), *followed, *knobs)
     return Engine(model, optimizer, registry, backend=backend, signal=signal, search=search,
                   replicas=1 if replicas is None else replicas, **settings)
 
 
-def _shape_of(scheduler: LRScheduler, total_steps: int) -> tuple[Callable[[int], float], list[float]]:
-    """The scheduler's lr over ``total_steps + 1`` steps as a factor of its peak, and each group's
-    peak lr, read once on a copy (the scheduler and its optimizer are left as they are)."""
+def _shape_of(scheduler: LRScheduler,
+              total_steps: int) -> tuple[Callable[[int], float], list[float], list[Knob]]:
+    """The scheduler's lr over ``total_steps + 1`` steps as a factor of its peak, each group's
+    peak lr, and, when the scheduler cycles momentum (OneCycleLR, CyclicLR), one knob per group
+    that writes its momentum (or Adam's beta1) exactly as the scheduler would; read once on a
+    copy (the scheduler and its optimizer are left as they are)."""
+    from hpx.schedule._plan import _CycledMomentum
     from hpx.schedule._shadow import _scheduler_problems, _Shadow
 
     ConfigError.check(_scheduler_problems(scheduler))
     shadow = _Shadow(scheduler)
     n = len(shadow.optimizer.param_groups)
-    lrs = [[shadow.lr(g, t) for g in range(n)] for t in range(total_steps + 1)]
+    lrs, momenta = [], []
+    for t in range(total_steps + 1):
+        lrs.append([shadow.lr(g, t) for g in range(n)])
+        if shadow.cycles_momentum:
+            momenta.append([shadow.momentum(g, t) for g in range(n)])
+    followed: list[Knob] = [_CycledMomentum(f"momentum/{g}", group=g,
+                                            schedule=_Table([row[g] for row in momenta]))
+                            for g in range(n)] if momenta else []
     peaks = [max(row[g] for row in lrs) for g in range(n)]
     if not any(p > 0 for p in peaks):
         raise ConfigError(["the schedule's learning rates are 0 at every step: nothing to scale"])
@@ -148,7 +161,7 @@ def _shape_of(scheduler: LRScheduler, total_steps: int) -> tuple[Callable[[int],
                     [f"param group {g} follows another shape than group {ref} at step {t} "
                      f"({row[g] / peaks[g]:.6g} against {factor:.6g} of their peaks): autolr scales "
                      "every group by one factor; declare hpx.LearningRate knobs per group instead"])
-    return _Table([row[ref] / peaks[ref] for row in lrs]), peaks
+    return _Table([row[ref] / peaks[ref] for row in lrs]), peaks, followed
 
 
 class _Table:

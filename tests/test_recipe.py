@@ -161,3 +161,72 @@ def test_autolr_without_a_probe_scores_the_placed_replicas_on_the_sync_batch(dig
     scored = [r.scores for r in engine.history if r.phase in ("stretch", "burn-in")]
     assert scored and all(len(set(s)) > 1 for s in scored)  # the placed points differ
     assert engine.bases["lr"] > 1.0
+
+
+# --- the schedule kept whole: momentum and beta1 cycles ---------------------------------------
+
+
+def _momentum(group: dict) -> float:
+    return group["betas"][0] if "betas" in group else group["momentum"]
+
+
+def _torch_momenta(make_opt, make_sched, steps: int) -> list[list[float]]:
+    """What torch's own scheduler writes into each group's momentum (or beta1) before each step."""
+    opt = make_opt(mlp())
+    sched = make_sched(opt)
+    out = []
+    for _ in range(steps):
+        out.append([_momentum(g) for g in opt.param_groups])
+        opt.step()
+        sched.step()
+    return out
+
+
+_CYCLING = {
+    "onecycle-sgd": (lambda m: torch.optim.SGD([{"params": m[0].parameters(), "lr": 0.1},
+                                                {"params": m[2].parameters(), "lr": 0.01}], momentum=0.9),
+                     lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=[0.1, 0.01], total_steps=40)),
+    "onecycle-adamw": (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3),
+                       lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-3, total_steps=40,
+                                                                     base_momentum=0.8, max_momentum=0.97)),
+    "cycliclr-sgd": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+                     lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.005, max_lr=0.05, step_size_up=7)),
+}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.parametrize("case", sorted(_CYCLING))
+def test_autolr_follows_the_schedulers_momentum_cycle_step_by_step(digits, case, replicas):
+    """OneCycleLR and CyclicLR also cycle SGD's momentum or Adam's beta1: under autolr the
+    optimizers train with exactly the values torch's scheduler gives at every step (the lr is
+    the search's to scale; the momentum is not explored)."""
+    make_opt, make_sched = _CYCLING[case]
+    steps = 40
+    want = _torch_momenta(make_opt, make_sched, steps)
+    assert len({tuple(w) for w in want}) > 5  # the cycle moves
+    model = mlp()
+    opt = make_opt(model) if replicas == 1 else make_opt
+    sched = make_sched(make_opt(mlp()))
+    engine = hpx.autolr(model, opt, total_steps=steps, schedule=sched, replicas=replicas,
+                        probe=data(digits, 1, seed=9))
+    seen, shared = [], []
+    for b in data(digits, steps, size=16):
+        seen.append([_momentum(g) for g in engine.replicas[-1].optimizer.param_groups])
+        engine.step(ce, b)
+        if engine._state is not None:  # one optimizer state for the replicas: it steps with them too
+            shared.append([_momentum(g) for g in engine._state.optimizer.param_groups])
+    assert seen == want  # exactly: the scheduler's own floats
+    if replicas > 1:
+        assert engine.unshared_reason is None and shared == want
+    assert engine.history and engine.bases["lr"] != 1.0  # the search still ran on the lr
+
+
+def test_autolr_without_a_momentum_cycle_leaves_the_optimizers_momentum_alone(digits):
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=20, cycle_momentum=False)
+    engine = hpx.autolr(model, opt, total_steps=20, schedule=sched)
+    assert [k.name for k in engine.knobs] == ["lr"]
+    for b in data(digits, 20, size=16):
+        engine.step(ce, b)
+        assert opt.param_groups[0]["momentum"] == 0.9
