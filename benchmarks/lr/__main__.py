@@ -1,0 +1,266 @@
+"""The learning-rate suite: plain-training grids, a search method from three starts, the table.
+
+    python -m benchmarks.lr grid                   # 2-seed grids of peak lrs (benchmarks/lr/grids.json)
+    python -m benchmarks.lr eval --method autolr   # the method from 0.1x, 1x, 10x the grid's best
+    python -m benchmarks.lr report --method autolr # the acceptance table into docs/benchmarks.md
+    python -m benchmarks.lr eval --quick           # a smoke run of every task (few steps)
+
+Every command resumes from what it already has (``--fresh`` starts over). The grid of a task is
+extended by half-decades until its best learning rate has two grid points on each side, so
+that 10x below and 10x above the best are grid points too (plain training at every start).
+Held-out tasks (``benchmarks.lr.tasks.HELD_OUT``) are reported in a table of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from benchmarks.lr.run import METHODS, Run, execute
+from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
+
+ROOT = Path(__file__).resolve().parents[2]
+GRIDS = Path(__file__).with_name("grids.json")
+RUNS = ROOT / "runs" / "lr"
+SEEDS = (0, 1)
+STARTS = {"0.1x": 0.1, "1x": 1.0, "10x": 10.0}
+QUICK_STEPS = 12
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=0, sort_keys=True, default=_nan))
+    os.replace(tmp, path)
+
+
+def _nan(x: Any) -> Any:
+    raise TypeError(f"cannot save {x!r}")
+
+
+def _run_all(runs: list[Run], store: dict[str, Any], path: Path, jobs: int) -> None:
+    todo = [r for r in runs if r.key not in store]
+    if not todo:
+        return
+    print(f"{len(todo)} runs on {jobs} processes", file=sys.stderr)
+    with ProcessPoolExecutor(jobs) as pool:
+        futs = {pool.submit(execute, r): r for r in todo}
+        for i, f in enumerate(as_completed(futs), 1):
+            r = futs[f]
+            res = f.result()
+            store[r.key] = {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                            for k, v in res.items()}
+            if i % 10 == 0 or i == len(todo):
+                _save(path, store)
+            print(f"[{i}/{len(todo)}] {r.key}: val {res['val']:.4g} lr {res['end_lr']:.3g} "
+                  f"{res['seconds']:.1f}s", file=sys.stderr)
+    _save(path, store)
+
+
+def _val(store: dict[str, Any], run: Run) -> float:
+    v = store[run.key]["val"]
+    return math.nan if v is None else v
+
+
+def _mean(xs: list[float]) -> float:
+    """Mean over seeds; a diverged seed makes the cell diverged (NaN)."""
+    return math.nan if any(math.isnan(x) for x in xs) else statistics.fmean(xs)
+
+
+# ----------------------------------------------------------------------------- grids
+
+
+def grid_lrs(task: str, store: dict[str, Any], steps: int | None = None) -> list[float]:
+    """The task's grid as computed so far (ascending)."""
+    return sorted({r["lr"] for k, r in store.items() if k.startswith(f"{task}|plain|")
+                   and (r.get("steps") == steps)})
+
+
+def best_of_grid(task: str, store: dict[str, Any],
+                 steps: int | None = None) -> tuple[int, list[float], list[float]]:
+    """(index of the best lr, the lrs, their mean validation losses over the seeds)."""
+    lrs = grid_lrs(task, store, steps)
+    means = [_mean([_val(store, Run(task, "plain", lr, s, steps)) for s in SEEDS]) for lr in lrs]
+    finite = [(m, i) for i, m in enumerate(means) if not math.isnan(m)]
+    return min(finite)[1], lrs, means
+
+
+def run_grid(tasks: list[str], store: dict[str, Any], jobs: int, steps: int | None = None,
+             path: Path = GRIDS) -> None:
+    """Each task's 9-point grid, extended until the best has two points on each side."""
+    def plan(task: str, ks: range) -> list[Run]:
+        t = get_task(task)
+        return [Run(task, "plain", t.center * 10 ** (k / 2), s, steps) for k in ks for s in SEEDS]
+
+    runs = [r for t in tasks for r in plan(t, range(-4, 5))]
+    for _ in range(8):
+        _run_all(runs, store, path, jobs)
+        for r in runs:  # remember each run's coordinates beside its result
+            store[r.key].update(lr=r.lr, seed=r.seed, steps=r.steps)
+        runs = []
+        for task in tasks:
+            i, lrs, _ = best_of_grid(task, store, steps)
+            t = get_task(task)
+            k_lo = round(2 * math.log10(lrs[0] / t.center))
+            k_hi = round(2 * math.log10(lrs[-1] / t.center))
+            if i < 2:
+                runs += plan(task, range(k_lo - (2 - i), k_lo))
+            if i > len(lrs) - 3:
+                runs += plan(task, range(k_hi + 1, k_hi + 1 + (i - (len(lrs) - 3))))
+        if not runs:
+            break
+    _save(path, store)
+
+
+# ----------------------------------------------------------------------------- a method's cells
+
+
+def cells(task: str, grids: dict[str, Any], steps: int | None = None) -> dict[str, float]:
+    i, lrs, _ = best_of_grid(task, grids, steps)
+    return {name: lrs[i] * f for name, f in STARTS.items()}
+
+
+def plain_at(task: str, lr: float, grids: dict[str, Any], steps: int | None) -> list[float]:
+    """Plain training's validation losses at ``lr`` (a grid point), one per seed."""
+    lrs = grid_lrs(task, grids, steps)
+    near = min(lrs, key=lambda x: abs(math.log(x / lr)))
+    if abs(math.log(near / lr)) > 1e-6:
+        raise SystemExit(f"{task}: no grid point at lr {lr:.3g}; run `python -m benchmarks.lr grid`")
+    return [_val(grids, Run(task, "plain", near, s, steps)) for s in SEEDS]
+
+
+def table(method: str, tasks: list[str], grids: dict[str, Any], store: dict[str, Any],
+          steps: int | None = None) -> list[dict[str, Any]]:
+    """One row per task x start, and what the acceptance criteria read from it."""
+    rows = []
+    for task in tasks:
+        t = get_task(task)
+        i, lrs, means = best_of_grid(task, grids, steps)
+        oracle_lr, oracle = lrs[i], means[i]
+        const = t.constant_loss()
+        for name, lr in cells(task, grids, steps).items():
+            plain = plain_at(task, lr, grids, steps)
+            runs = [store[Run(task, method, lr, s, steps).key] for s in SEEDS]
+            vals = [math.nan if r["val"] is None else r["val"] for r in runs]
+            hpx_mean = _mean(vals)
+            plain_mean = _mean(plain)
+            end = math.exp(statistics.fmean(math.log(r["end_lr"]) for r in runs))
+            plain_trains = not math.isnan(plain_mean) and plain_mean < 0.98 * const
+            plain_runs = [grids[Run(task, "plain", _grid_key_lr(task, lr, grids, steps), s, steps).key]
+                          for s in SEEDS]
+            rows.append({
+                "task": task, "start": name, "held_out": task in HELD_OUT, "lr": lr,
+                "oracle_lr": oracle_lr, "oracle": oracle, "plain": plain_mean, "hpx": hpx_mean,
+                "vs_plain": hpx_mean / plain_mean if plain_trains else math.nan,
+                "vs_oracle": hpx_mean / oracle, "end_lr": end, "end_vs_oracle": end / oracle_lr,
+                "lost": any(r["lost"] for r in runs) and plain_trains,
+                "cost": statistics.fmean(r["seconds"] for r in runs)
+                / statistics.fmean(r["seconds"] for r in plain_runs),
+            })
+    return rows
+
+
+def _grid_key_lr(task: str, lr: float, grids: dict[str, Any], steps: int | None) -> float:
+    return min(grid_lrs(task, grids, steps), key=lambda x: abs(math.log(x / lr)))
+
+
+def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's acceptance criteria on ``rows`` (one set of tasks)."""
+    at = [r for r in rows if r["start"] == "1x"]
+    off = [r for r in rows if r["start"] != "1x"]
+    harm = [r["vs_plain"] for r in at]
+    nan_le = lambda x, b: not math.isnan(x) and x <= b  # noqa: E731
+    return {
+        "no_harm_102": sum(nan_le(x, 1.02) for x in harm) / len(harm),
+        "no_harm_105_all": all(nan_le(x, 1.05) for x in harm),
+        "recover_105": sum(nan_le(r["vs_oracle"], 1.05) for r in off) / len(off),
+        "recover_vs_plain": all(math.isnan(r["vs_plain"]) or r["vs_plain"] <= 1.02 for r in off),
+        "fixed_point_3x": sum(1 / 3 <= r["end_vs_oracle"] <= 3 for r in rows) / len(rows),
+        "lost": sum(r["lost"] for r in rows),
+        "cost_max": max(r["cost"] for r in rows),
+    }
+
+
+def _fmt(x: float, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown(method: str, rows: list[dict[str, Any]]) -> str:
+    out = []
+    for held, title in ((False, "Design tasks"), (True, "Held-out tasks")):
+        part = [r for r in rows if r["held_out"] == held]
+        if not part:
+            continue
+        v = verdict(part)
+        out += [f"#### {title}", "",
+                "| task | start | lr | plain | hpx | hpx / plain | hpx / oracle | lr it ends at / best "
+                "| lost | time / plain |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for r in part:
+            out.append(f"| {r['task']} | {r['start']} | {r['lr']:.3g} | {_fmt(r['plain'], '.4f')} | "
+                       f"{_fmt(r['hpx'], '.4f')} | {_fmt(r['vs_plain'])} | {_fmt(r['vs_oracle'])} | "
+                       f"{r['end_vs_oracle']:.3g} | {'yes' if r['lost'] else ''} | {r['cost']:.2f} |")
+        out += ["", f"Criteria ({title.lower()}): hpx / plain <= 1.02 at the best lr on "
+                f"{v['no_harm_102']:.0%} of tasks (bar 90%), <= 1.05 on all: {v['no_harm_105_all']}; "
+                f"from 10x off <= 1.05x the oracle in {v['recover_105']:.0%} of cells (bar 75%), never "
+                f"> 1.02x plain at that start: {v['recover_vs_plain']}; the lr it ends at within 3x of "
+                f"the grid's best in {v['fixed_point_3x']:.0%} of cells (bar 80%); runs lost: {v['lost']}; "
+                f"time / plain at most {v['cost_max']:.2f} (bar 1.10).", ""]
+    return "\n".join(out)
+
+
+def grids_markdown(grids: dict[str, Any]) -> str:
+    out = ["| task | family | optimizer | schedule | steps | held out | grid (peak lr) | best lr | "
+           "best val loss | constant predictor |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, t in TASKS.items():
+        if not grid_lrs(name, grids):
+            continue
+        i, lrs, means = best_of_grid(name, grids)
+        out.append(f"| {name} | {t.family} | {t.optim} | {t.sched} | {t.steps} | "
+                   f"{'yes' if name in HELD_OUT else ''} | {lrs[0]:.3g} .. {lrs[-1]:.3g} ({len(lrs)}) | "
+                   f"{lrs[i]:.3g} | {means[i]:.4f} | {t.constant_loss():.3f} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lr", description=__doc__.split("\n")[0])
+    p.add_argument("command", choices=("grid", "eval", "report"))
+    p.add_argument("--method", default="autolr", choices=sorted(METHODS))
+    p.add_argument("--tasks", nargs="*", default=list(TASKS))
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK_STEPS} steps a run: checks the plumbing only")
+    p.add_argument("--fresh", action="store_true", help="forget stored results of this command")
+    a = p.parse_args(argv)
+    steps = QUICK_STEPS if a.quick else None
+    grid_path = RUNS / "grids-quick.json" if a.quick else GRIDS
+    grids = {} if a.fresh and a.command == "grid" else _load(grid_path)
+    if a.command == "grid" or a.quick:
+        run_grid(a.tasks, grids, a.jobs, steps, grid_path)
+        print(grids_markdown(grids) if not a.quick else f"{len(grids)} grid runs")
+        if a.command == "grid":
+            return 0
+    path = RUNS / f"{a.method}{'-quick' if a.quick else ''}.json"
+    store = {} if a.fresh and a.command == "eval" else _load(path)
+    if a.command == "eval":
+        runs = [Run(t, a.method, lr, s, steps) for t in a.tasks
+                for lr in cells(t, grids, steps).values() for s in SEEDS]
+        _run_all(runs, store, path, a.jobs)
+    print(markdown(a.method, table(a.method, a.tasks, grids, store, steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

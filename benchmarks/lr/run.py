@@ -1,0 +1,102 @@
+"""One run of a suite task: plain training, or a search method, at one peak learning rate and seed.
+
+Plain training is the user's loop: ``loss.backward(); opt.step(); sched.step()``. A method is
+built from the same model, optimizer and scheduler objects, as a user would hand them to hpx.
+Both draw the same batches in the same order (a generator seeded from the run's seed) and report
+the validation loss at the end, the wall time of the training loop, and, for a method, the lr it
+ends at (its peak, the number the grid's best is compared with).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import hpx
+from benchmarks.lr.tasks import Task, get_task
+
+__all__ = ["METHODS", "Run", "execute"]
+
+
+@dataclass(frozen=True)
+class Run:
+    """What to run: ``method`` is ``"plain"`` or a name in :data:`METHODS`."""
+
+    task: str
+    method: str
+    lr: float
+    seed: int
+    steps: int | None = None  # None: the task's own (a quick smoke run gives fewer)
+
+    @property
+    def key(self) -> str:
+        s = "" if self.steps is None else f"|{self.steps}"
+        return f"{self.task}|{self.method}|{self.lr:.6g}|{self.seed}{s}"
+
+
+def _autolr(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int,
+            seed: int) -> hpx.Engine:
+    """hpx.autolr exactly as the README recommends: the optimizer at the peak lr, the task's own
+    torch scheduler as ``schedule=``, its probe split, nothing set per task."""
+    return hpx.autolr(model, opt, total_steps=steps, schedule=sched, probe=task.probe(),
+                      loss_fn=lambda rep, b: task.loss(rep.model, b), seed=seed)
+
+
+# A method: f(task, model, optimizer, scheduler, steps, seed) -> an hpx.Engine to step.
+METHODS: dict[str, Callable[..., hpx.Engine]] = {"autolr": _autolr}
+
+
+def _with_steps(task: Task, steps: int | None) -> Task:
+    if steps is None or steps == task.steps:
+        return task
+    from dataclasses import replace
+
+    return replace(task, steps=steps)
+
+
+def execute(run: Run) -> dict[str, Any]:
+    """Train once; ``{"val", "lost", "seconds", "end_lr", "history"}`` (val is NaN when the run
+    diverged)."""
+    torch.set_num_threads(1)
+    task = _with_steps(get_task(run.task), run.steps)
+    model = task.model(run.seed)
+    opt = task.optimizer(model, run.lr)
+    sched = task.scheduler(opt)
+    gen = torch.Generator().manual_seed(10_000 + run.seed)
+    batches = [task.sample(gen) for _ in range(task.steps)]  # drawn before the clock starts
+    out: dict[str, Any] = {"end_lr": run.lr, "history": []}
+    t0 = time.perf_counter()
+    if run.method == "plain":
+        model.train()
+        for b in batches:
+            loss = task.loss(model, b)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+        seconds = time.perf_counter() - t0
+        final = model
+    else:
+        engine = METHODS[run.method](task, model, opt, sched, task.steps, run.seed)
+        try:
+            for b in batches:
+                engine.step(lambda rep, bb: task.loss(rep.model, bb), b)
+            final = engine.converge()
+        except hpx.NonFiniteError:
+            final = None
+        seconds = time.perf_counter() - t0
+        factor = engine.bases.get("lr", 1.0)
+        out["end_lr"] = run.lr * factor
+        out["history"] = [{"step": r.step, "lr": r.bases.get("lr"), "phase": r.phase}
+                          for r in engine.history]
+    val = task.evaluate(final) if final is not None else math.nan
+    if not math.isfinite(val):
+        val = math.nan
+    out.update(val=val, seconds=seconds,
+               lost=not math.isfinite(val) or val >= 0.98 * task.constant_loss())
+    return out

@@ -1,0 +1,509 @@
+"""The learning-rate suite's tasks: one registry, each task a training set-up as a user writes it.
+
+A task owns its data (a fixed train / probe / validation split that does not depend on the run's
+seed), its model, its optimizer (built with the run's peak learning rate) and its torch
+scheduler. The run's seed sets the initial weights and the batch order only. Everything ships
+with installed packages: scikit-learn's bundled sets, CPython's ``pydoc_data.topics`` text,
+synthetic data drawn from fixed generators, and a BERT-style encoder built from a
+``transformers`` config (no weights are loaded). Nothing is downloaded.
+
+The tasks span the families a user brings (MLP, CNN with and without BatchNorm, a transformer
+LM, a transformer classifier, a BERT-style encoder, GRU and LSTM, small tabular regression and
+classification with strong dropout, a long synthetic run), the three common optimizers (SGD with
+momentum, Adam, AdamW) and four schedules (OneCycleLR with its momentum cycle, warm-up + cosine,
+warm-up + linear decay, step decay), with runs from 100 to 3,000 steps.
+
+``HELD_OUT`` names the tasks kept out of every design decision of the search (see
+``docs/benchmarks.md``, "The learning-rate suite"): the search is designed on the others and the
+acceptance tables report the two sets apart.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, MultiStepLR, OneCycleLR
+
+__all__ = ["HELD_OUT", "TASKS", "Task", "get_task"]
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+# ----------------------------------------------------------------------------- the task shape
+
+
+@dataclass(frozen=True)
+class Task:
+    """One set-up: data, model, optimizer and schedule, as a user would write them.
+
+    ``center`` is the middle of the task's grid of peak learning rates (the grid is
+    half-decade spaced around it); ``kind`` is ``"cls"`` (cross-entropy) or ``"reg"`` (mean
+    squared error on standardised targets).
+    """
+
+    name: str
+    family: str
+    optim: str           # "sgd" (momentum 0.9), "adam" or "adamw"
+    sched: str           # "onecycle", "cosine" (warm-up + cosine), "linear" (warm-up + linear), "step"
+    steps: int
+    batch: int
+    center: float
+    data: Callable[[], dict[str, Any]]
+    net: Callable[[dict[str, Any]], nn.Module]
+    kind: str = "cls"
+    weight_decay: float = 0.0
+    title: str = ""
+
+    # --- the user's set-up -------------------------------------------------------------------
+
+    def model(self, seed: int) -> nn.Module:
+        """The model, its initial weights drawn from ``seed`` (the global RNG is left as it was)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.net(self.data())
+
+    def optimizer(self, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+        """The optimizer at peak learning rate ``lr``; no weight decay on biases and norms."""
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": self.weight_decay},
+                  {"params": rest, "weight_decay": 0.0}]
+        if self.optim == "sgd":
+            return torch.optim.SGD(groups, lr=lr, momentum=0.9)
+        if self.optim == "adam":
+            return torch.optim.Adam(groups, lr=lr)
+        if self.optim == "adamw":
+            return torch.optim.AdamW(groups, lr=lr)
+        raise ValueError(f"unknown optimizer {self.optim!r}")
+
+    def scheduler(self, opt: torch.optim.Optimizer) -> LRScheduler:
+        """The task's torch scheduler on ``opt`` (built at the peak lr), stepped once per step."""
+        n = self.steps
+        if self.sched == "onecycle":  # torch's defaults: 30% warm-up, cosine, momentum 0.95 <-> 0.85
+            return OneCycleLR(opt, max_lr=[g["lr"] for g in opt.param_groups], total_steps=n)
+        warm = max(1, round(0.05 * n))
+        if self.sched == "cosine":
+            return LambdaLR(opt, lambda t: (t + 1) / warm if t < warm
+                            else 0.5 * (1 + math.cos(math.pi * min(1.0, (t - warm) / (n - warm)))))
+        if self.sched == "linear":
+            return LambdaLR(opt, lambda t: (t + 1) / warm if t < warm
+                            else max(0.0, (n - t) / (n - warm)))
+        if self.sched == "step":  # no warm-up; x0.1 at half and at three quarters of the run
+            return MultiStepLR(opt, milestones=[n // 2, (3 * n) // 4], gamma=0.1)
+        raise ValueError(f"unknown schedule {self.sched!r}")
+
+    def loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """The training (and probe) loss: cross-entropy or mean squared error."""
+        x, y = batch
+        out = model(x)
+        if self.kind == "reg":
+            return F.mse_loss(out.squeeze(-1), y)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    def sample(self, gen: torch.Generator) -> Batch:
+        """A training batch of ``batch`` examples drawn with replacement by ``gen``."""
+        d = self.data()
+        if "stream" in d:  # a text: random windows
+            return _windows(d["stream"], self.batch, d["ctx"], gen)
+        x, y = d["train"]
+        idx = torch.randint(0, len(y), (self.batch,), generator=gen)
+        return x[idx], y[idx]
+
+    def probe(self) -> list[Batch]:
+        """Held-out batches carved from the training side (what the search may score on)."""
+        return self.data()["probe"]
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module) -> float:
+        """The validation loss, in eval mode (the quantity every table compares)."""
+        was = model.training
+        model.eval()
+        tot, n = 0.0, 0
+        for x, y in self.data()["val"]:
+            out = model(x)
+            if self.kind == "reg":
+                tot += float(F.mse_loss(out.squeeze(-1), y, reduction="sum"))
+            else:
+                tot += float(F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum"))
+            n += y.numel()
+        model.train(was)
+        return tot / n
+
+    def constant_loss(self) -> float:
+        """The validation loss of the best constant prediction from the training labels (the
+        class frequencies, or the mean target): a run that ends here learned nothing."""
+        d = self.data()
+        ys = torch.cat([y.reshape(-1) for _, y in d["val"]])
+        train_y = d["stream"][1:] if "stream" in d else d["train"][1].reshape(-1)
+        if self.kind == "reg":
+            return float(((ys - train_y.float().mean()) ** 2).mean())
+        k = d["classes"]
+        freq = torch.bincount(train_y, minlength=k).double() + 1.0
+        logp = (freq / freq.sum()).log()
+        return float(-logp[ys].mean())
+
+    def grid(self, lo: int = -4, hi: int = 4) -> list[float]:
+        """Peak learning rates ``center * 10**(k/2)`` for ``k`` in ``lo..hi`` (half-decade steps)."""
+        return [self.center * 10 ** (k / 2) for k in range(lo, hi + 1)]
+
+
+def _windows(ids: torch.Tensor, n: int, ctx: int, gen: torch.Generator) -> Batch:
+    start = torch.randint(0, len(ids) - ctx - 1, (n,), generator=gen)
+    w = ids[start[:, None] + torch.arange(ctx + 1)]
+    return w[:, :-1], w[:, 1:]
+
+
+def _split(x: torch.Tensor, y: torch.Tensor, probe: int, val: int, seed: int = 1234,
+           probe_batch: int = 100) -> dict[str, Any]:
+    """A fixed shuffle: the last ``val`` rows validate, the ``probe`` before them are the probe
+    (in batches of ``probe_batch``), the rest train."""
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    x, y = x[perm], y[perm]
+    tr = len(y) - probe - val
+    px, py = x[tr:tr + probe], y[tr:tr + probe]
+    return {"train": (x[:tr], y[:tr]),
+            "probe": [(px[i:i + probe_batch], py[i:i + probe_batch]) for i in range(0, probe, probe_batch)],
+            "val": [(x[tr + probe:], y[tr + probe:])]}
+
+
+# ----------------------------------------------------------------------------- data
+
+
+@cache
+def _digits(form: str, noise: float = 0.0) -> dict[str, Any]:
+    """scikit-learn's digits (1,797 images, 8x8): 1,097 train, 200 probe, 500 validation.
+    ``form``: "flat" (64 features), "image" (1x8x8, standardised) or "rows" (8 rows of 8).
+    ``noise``: the share of train and probe labels replaced by a random class (fixed draw);
+    validation labels stay clean."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32)
+    y = torch.tensor(y, dtype=torch.long)
+    if form == "image":
+        x = (x.reshape(-1, 1, 8, 8) - 0.3) / 0.4
+    elif form == "rows":
+        x = (x.reshape(-1, 8, 8) - 0.3) / 0.4
+    d = _split(x, y, probe=200, val=500)
+    if noise:
+        g = torch.Generator().manual_seed(4321)
+        ty = d["train"][1].clone()
+        flip = torch.rand(len(ty), generator=g) < noise
+        ty[flip] = torch.randint(0, 10, (int(flip.sum()),), generator=g)
+        d["train"] = (d["train"][0], ty)
+        probe = []
+        for px, py in d["probe"]:
+            py = py.clone()
+            f = torch.rand(len(py), generator=g) < noise
+            py[f] = torch.randint(0, 10, (int(f.sum()),), generator=g)
+            probe.append((px, py))
+        d["probe"] = probe
+    return {**d, "classes": 10}
+
+
+def _tabular(loader: str, probe: int, val: int, reg: bool) -> dict[str, Any]:
+    import sklearn.datasets as ds
+
+    x, y = getattr(ds, loader)(return_X_y=True)
+    x = torch.tensor(x, dtype=torch.float32)
+    y = torch.tensor(y, dtype=torch.float32 if reg else torch.long)
+    d = _split(x, y, probe=probe, val=val)
+    tx, ty = d["train"]
+    mean, std = tx.mean(0), tx.std(0).clamp_min(1e-6)
+
+    def fx(a):
+        return (a - mean) / std
+
+    if reg:
+        ym, ys = ty.mean(), ty.std()
+
+        def fy(b):
+            return (b - ym) / ys
+    else:
+        def fy(b):
+            return b
+    return {"train": (fx(tx), fy(ty)), "probe": [(fx(a), fy(b)) for a, b in d["probe"]],
+            "val": [(fx(a), fy(b)) for a, b in d["val"]], "classes": 0 if reg else int(y.max()) + 1}
+
+
+@cache
+def _cancer() -> dict[str, Any]:
+    """Breast cancer (569 rows, 30 features, 2 classes): 369 train, 100 probe, 100 validation."""
+    return _tabular("load_breast_cancer", probe=100, val=100, reg=False)
+
+
+@cache
+def _diabetes() -> dict[str, Any]:
+    """Diabetes (442 rows, 10 features, a standardised target): 282 train, 60 probe, 100 validation."""
+    return _tabular("load_diabetes", probe=60, val=100, reg=True)
+
+
+@cache
+def _wine() -> dict[str, Any]:
+    """Wine (178 rows, 13 features, 3 classes): 98 train, 30 probe, 50 validation."""
+    return _tabular("load_wine", probe=30, val=50, reg=False)
+
+
+@cache
+def _teacher() -> dict[str, Any]:
+    """A fixed random 2-layer tanh network of 16 inputs, plus noise (SNR 4): 4,000 train, 400 probe,
+    1,000 validation rows."""
+    g = torch.Generator().manual_seed(7)
+    n = 5400
+    x = torch.randn(n, 16, generator=g)
+    w1, w2 = torch.randn(16, 32, generator=g) / 4, torch.randn(32, generator=g) / math.sqrt(32)
+    f = torch.tanh(x @ w1 * 2) @ w2
+    y = f + 0.5 * f.std() * torch.randn(n, generator=g)
+    y = (y - y.mean()) / y.std()
+    return {**_split(x, y, probe=400, val=1000, probe_batch=200), "classes": 0}
+
+
+@cache
+def _clusters() -> dict[str, Any]:
+    """Five classes of Gaussian clusters (3 per class) in 20 dimensions, 10 of them noise: 4,000
+    train, 400 probe, 1,000 validation rows."""
+    g = torch.Generator().manual_seed(11)
+    n, k, per = 5400, 5, 3
+    centers = torch.randn(k * per, 10, generator=g) * 1.2
+    comp = torch.randint(0, k * per, (n,), generator=g)
+    x = torch.cat([centers[comp] + torch.randn(n, 10, generator=g),
+                   torch.randn(n, 10, generator=g)], 1)
+    y = comp % k
+    return {**_split(x, y, probe=400, val=1000, probe_batch=200), "classes": k}
+
+
+@cache
+def _text() -> tuple[torch.Tensor, int]:
+    from pydoc_data.topics import topics
+
+    text = "".join(topics[k] for k in sorted(topics))
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long), len(chars)
+
+
+@cache
+def _chars(ctx: int, probe: int, val: int) -> dict[str, Any]:
+    """CPython's pydoc topics text: the first 90% trains (random windows of ``ctx``), fixed windows
+    from the next 5% probe and from the last 5% validate."""
+    ids, vocab = _text()
+    n = len(ids)
+    a, b = int(0.9 * n), int(0.95 * n)
+    g = torch.Generator().manual_seed(99)
+    return {"stream": ids[:a], "ctx": ctx, "classes": vocab,
+            "probe": [_windows(ids[a:b], probe, ctx, g)],
+            "val": [_windows(ids[b:], val, ctx, g) for _ in range(2)]}
+
+
+@cache
+def _ngrams(ctx: int) -> dict[str, Any]:
+    """The same text as (previous ``ctx`` characters -> next character) pairs."""
+    ids, vocab = _text()
+    n = len(ids)
+    a, b = int(0.9 * n), int(0.95 * n)
+    g = torch.Generator().manual_seed(98)
+
+    def pairs(part: torch.Tensor, m: int) -> Batch:
+        start = torch.randint(0, len(part) - ctx - 1, (m,), generator=g)
+        w = part[start[:, None] + torch.arange(ctx + 1)]
+        return w[:, :-1], w[:, -1]
+
+    train_x, train_y = pairs(ids[:a], 60_000)
+    return {"train": (train_x, train_y), "classes": vocab,
+            "probe": [pairs(ids[a:b], 500)], "val": [pairs(ids[b:], 2000)]}
+
+
+@cache
+def _majority() -> dict[str, Any]:
+    """Synthetic token sequences (vocabulary 40, length 24; the first 2 ids are [CLS] and padding):
+    the label says which of two marker tokens occurs more often; other tokens are distractors.
+    3,000 train, 256 probe, 1,000 validation sequences."""
+    g = torch.Generator().manual_seed(5)
+    n, length, vocab = 4256, 24, 40
+    x = torch.randint(4, vocab, (n, length), generator=g)
+    a = torch.randint(1, 7, (n,), generator=g)
+    b = torch.randint(1, 7, (n,), generator=g)
+    b = torch.where(a == b, b % 6 + 1, b)
+    for i in range(n):  # place a markers 2, b markers 3 at random positions after [CLS]
+        pos = torch.randperm(length - 1, generator=g)[: int(a[i]) + int(b[i])] + 1
+        x[i, pos[: int(a[i])]] = 2
+        x[i, pos[int(a[i]):]] = 3
+    x[:, 0] = 0
+    y = (a > b).long()
+    return {**_split(x, y, probe=256, val=1000, probe_batch=128), "classes": 2}
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _mlp(sizes: list[int], dropout: float = 0.0, norm: bool = False) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for i in range(len(sizes) - 2):
+        layers += [nn.Linear(sizes[i], sizes[i + 1])]
+        if norm:
+            layers += [nn.LayerNorm(sizes[i + 1])]
+        layers += [nn.ReLU()]
+        if dropout:
+            layers += [nn.Dropout(dropout)]
+    layers += [nn.Linear(sizes[-2], sizes[-1])]
+    return nn.Sequential(*layers)
+
+
+def _cnn(bn: bool) -> nn.Sequential:
+    def norm(c: int) -> nn.Module:
+        return nn.BatchNorm2d(c) if bn else nn.Identity()
+
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), norm(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), norm(32), nn.ReLU(),
+        nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 16, 10))
+
+
+class _Recurrent(nn.Module):
+    """A GRU or LSTM over a sequence; ``lm``: a next-token head at every position (token ids in),
+    else a class head on the last state (feature vectors in)."""
+
+    def __init__(self, cell: str, inp: int, hidden: int, out: int, vocab: int = 0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, inp) if vocab else None
+        self.rnn = (nn.GRU if cell == "gru" else nn.LSTM)(inp, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.embed(x) if self.embed is not None else x)
+        return self.head(h) if self.embed is not None else self.head(h[:, -1])
+
+
+class _CausalLM(nn.Module):
+    """A pre-norm causal transformer built from ``nn.TransformerEncoder`` with a causal mask buffer."""
+
+    def __init__(self, vocab: int, ctx: int, d: int = 48, layers: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.1, batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(ctx), persistent=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        return self.head(self.ln(self.body(x, mask=self.mask[:t, :t], is_causal=True)))
+
+
+class _RowTransformer(nn.Module):
+    """A transformer classifier over a digit's 8 rows as tokens (mean-pooled)."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        self.pos = nn.Parameter(torch.zeros(8, d))
+        layer = nn.TransformerEncoderLayer(d, 4, 2 * d, dropout=0.1, batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.inp(x) + self.pos).mean(1))
+
+
+class _NgramMLP(nn.Module):
+    """A character MLP language model: the previous characters' embeddings, concatenated."""
+
+    def __init__(self, vocab: int, ctx: int, d: int = 16, hidden: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.mlp = nn.Sequential(nn.Linear(ctx * d, hidden), nn.Tanh(), nn.Linear(hidden, vocab))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.embed(x).flatten(1))
+
+
+class _Bert(nn.Module):
+    """``BertForSequenceClassification`` from a tiny config (no weights loaded); logits out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        cfg = BertConfig(vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=32, num_labels=2, pad_token_id=1)
+        self.bert = BertForSequenceClassification(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=x).logits
+
+
+# ----------------------------------------------------------------------------- the registry
+
+
+def _t(**kw: Any) -> Task:
+    return Task(**kw)
+
+
+TASKS: dict[str, Task] = {t.name: t for t in [
+    _t(name="digits_mlp", family="mlp", optim="sgd", sched="onecycle", steps=600, batch=64, center=0.1,
+       data=lambda: _digits("flat"), net=lambda d: _mlp([64, 128, 10]), weight_decay=5e-4,
+       title="digits MLP 64-128-10"),
+    _t(name="digits_cnn_bn", family="cnn", optim="adamw", sched="onecycle", steps=500, batch=64, center=1e-2,
+       data=lambda: _digits("image"), net=lambda d: _cnn(bn=True), weight_decay=0.05,
+       title="digits CNN with BatchNorm"),
+    _t(name="digits_cnn", family="cnn", optim="sgd", sched="cosine", steps=500, batch=64, center=3e-2,
+       data=lambda: _digits("image"), net=lambda d: _cnn(bn=False), weight_decay=5e-4,
+       title="digits CNN, no normalisation"),
+    _t(name="char_transformer", family="transformer", optim="adamw", sched="cosine", steps=300, batch=16,
+       center=3e-3, data=lambda: _chars(64, 64, 128), net=lambda d: _CausalLM(d["classes"], 64),
+       weight_decay=0.1, title="char transformer LM (2 layers, d 48, causal mask buffer), pydoc text"),
+    _t(name="char_gru", family="rnn", optim="sgd", sched="step", steps=800, batch=16, center=0.3,
+       data=lambda: _chars(32, 128, 256), net=lambda d: _Recurrent("gru", 32, 96, d["classes"], d["classes"]),
+       title="char GRU LM (hidden 96), pydoc text"),
+    _t(name="cancer_dropout", family="tabular", optim="adamw", sched="onecycle", steps=1800, batch=32,
+       center=1e-3, data=_cancer, net=lambda d: _mlp([30, 128, 128, 2], dropout=0.5), weight_decay=0.01,
+       title="breast-cancer MLP, dropout 0.5 (369 rows)"),
+    _t(name="bert_tiny", family="transformer", optim="adamw", sched="linear", steps=150, batch=32,
+       center=1e-3, data=_majority, net=lambda d: _Bert(), weight_decay=0.01,
+       title="BERT-style encoder from a transformers config (2 layers, d 32), synthetic tokens"),
+    _t(name="wine_short", family="mlp", optim="sgd", sched="onecycle", steps=100, batch=16, center=0.03,
+       data=_wine, net=lambda d: _mlp([13, 64, 3]), weight_decay=5e-4, title="wine MLP, 100 steps (98 rows)"),
+    _t(name="teacher_long", family="mlp", optim="adam", sched="cosine", steps=3000, batch=32, center=1e-3,
+       data=_teacher, net=lambda d: _mlp([16, 64, 64, 1]), kind="reg",
+       title="regression on a random teacher network, 3,000 steps"),
+    _t(name="digits_noisy", family="mlp", optim="sgd", sched="cosine", steps=800, batch=64, center=0.1,
+       data=lambda: _digits("flat", noise=0.3), net=lambda d: _mlp([64, 256, 10]), weight_decay=5e-4,
+       title="digits MLP, 30% of training labels random"),
+    _t(name="char_mlp", family="mlp", optim="adam", sched="step", steps=1000, batch=64, center=3e-3,
+       data=lambda: _ngrams(8), net=lambda d: _NgramMLP(d["classes"], 8),
+       title="char n-gram MLP LM (8 chars)"),
+    # held out (see HELD_OUT)
+    _t(name="digits_lstm", family="rnn", optim="adam", sched="onecycle", steps=600, batch=64, center=3e-3,
+       data=lambda: _digits("rows"), net=lambda d: _Recurrent("lstm", 8, 64, 10),
+       title="LSTM over a digit's rows"),
+    _t(name="diabetes_dropout", family="tabular", optim="adam", sched="linear", steps=1500, batch=32,
+       center=1e-3, data=_diabetes, net=lambda d: _mlp([10, 128, 128, 1], dropout=0.5), kind="reg",
+       title="diabetes regression MLP, dropout 0.5 (282 rows)"),
+    _t(name="digits_rows_transformer", family="transformer", optim="adamw", sched="onecycle", steps=500,
+       batch=64, center=3e-3, data=lambda: _digits("rows"), net=lambda d: _RowTransformer(),
+       weight_decay=0.05,
+       title="transformer classifier over a digit's 8 rows"),
+    _t(name="clusters_long", family="mlp", optim="adamw", sched="linear", steps=3000, batch=32, center=1e-3,
+       data=_clusters, net=lambda d: _mlp([20, 64, 64, 5], norm=True), weight_decay=0.01,
+       title="Gaussian clusters, MLP with LayerNorm, 3,000 steps"),
+]}
+
+# Chosen before any design work on the search, a third of the suite with the families spread:
+# an RNN, a tabular regression, a transformer, a long MLP run, a CNN without normalisation.
+HELD_OUT: tuple[str, ...] = ("digits_lstm", "diabetes_dropout", "digits_rows_transformer", "clusters_long",
+                             "digits_cnn")
+
+
+def get_task(name: str) -> Task:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise SystemExit(f"unknown task {name!r} (tasks: {', '.join(TASKS)})") from None
