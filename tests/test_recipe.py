@@ -190,7 +190,8 @@ _CYCLING = {
                        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=1e-3, total_steps=40,
                                                                      base_momentum=0.8, max_momentum=0.97)),
     "cycliclr-sgd": (lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
-                     lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.005, max_lr=0.05, step_size_up=7)),
+                     lambda o: torch.optim.lr_scheduler.CyclicLR(o, base_lr=0.005, max_lr=0.05,
+                                                                 step_size_up=7)),
 }
 
 
