@@ -234,6 +234,61 @@ def grids_markdown(grids: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+_INTRO = """\
+Produced by `python -m benchmarks.lr grid`, `python -m benchmarks.lr eval --method {method}` and
+`python -m benchmarks.lr report --method {method}` (which writes this section), one thread per run,
+two runs at a time, on {machine}.
+
+Fifteen tasks, each a user's set-up as they would write it (`benchmarks/lr/tasks.py`): the data
+with a fixed train / probe / validation split, the model, the optimizer built at the peak learning
+rate and the task's own torch scheduler; data from scikit-learn's bundled sets, CPython's pydoc
+text and fixed synthetic sets. Five of them were **held out before any design work on the search**
+(commit 8f61738, `HELD_OUT` in `benchmarks/lr/tasks.py`): a search is designed on the other ten
+and judged on both, reported apart. A held-out task that is used to choose a design stops being
+held out, and is then replaced by a fresh one.
+
+Each task's grid: 9 peak learning rates half a decade apart, 2 seeds each, plain training (the
+user's loop: backward, step, scheduler step); the best is the lowest mean validation loss, and
+every best has two grid points on each side, so 0.1x and 10x the best are on the grid.
+
+{grids}
+
+A method is run from 0.1x, 1x and 10x the grid's best peak lr, 2 seeds each, on the same batches as
+plain training at that lr. Columns: the validation loss (mean of 2 seeds) of plain training and of
+the method; their ratio; the method's over the grid's best ("oracle"); the peak lr the run ends at
+(the search's factor times the start) over the grid's best (geometric mean of the seeds); "lost":
+a seed ends within 2% of the constant predictor's loss (or diverges) where plain training at
+that start trains; the training loop's wall time over plain training's (each measured in its own
+run, two runs sharing the machine: a rough figure).
+
+### `{method}`
+
+{table}
+"""
+
+
+def write_docs(method: str, grids: dict[str, Any], table_md: str) -> None:
+    """Put the suite's section into docs/benchmarks.md (between its markers)."""
+    import platform
+
+    import torch
+
+    doc = ROOT / "docs" / "benchmarks.md"
+    text = doc.read_text()
+    machine = (f"{platform.machine()}, {os.cpu_count()} logical cores; Python {platform.python_version()}, "
+               f"torch {torch.__version__}")
+    body = _INTRO.format(method=method, machine=machine, grids=grids_markdown(grids), table=table_md)
+    start, end = "<!-- lr-suite -->", "<!-- /lr-suite -->"
+    title = "## The learning-rate suite: a search against plain training and the grid"
+    section = f"{start}\n{title}\n\n{body}{end}"
+    if start in text:
+        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
+    else:
+        head, _, rest = text.partition("\n")
+        text = f"{head}\n\n{section}\n{rest}"
+    doc.write_text(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=("grid", "eval", "report"))
@@ -258,7 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         runs = [Run(t, a.method, lr, s, steps) for t in a.tasks
                 for lr in cells(t, grids, steps).values() for s in SEEDS]
         _run_all(runs, store, path, a.jobs)
-    print(markdown(a.method, table(a.method, a.tasks, grids, store, steps)))
+    md = markdown(a.method, table(a.method, a.tasks, grids, store, steps))
+    print(md)
+    if a.command == "report" and not a.quick and a.tasks == list(TASKS):
+        write_docs(a.method, grids, md)
     return 0
 
 
