@@ -326,6 +326,20 @@ class Engine:
         local = self._values[:, self._first : self._first + self.n_local]
         self._local_values: list[list[float]] = local.tolist()
 
+    def _check_written(self) -> None:
+        """Raise if something other than the knobs changed a setting they write (a torch
+        scheduler stepped beside the engine would silently replace the explored values)."""
+        for setters, row in zip(self._setters, self._written):
+            for setter, written in zip(setters, row):
+                drift = getattr(setter, "drift", None)
+                why = drift(written) if drift is not None and written is not None else None
+                if why is not None:
+                    raise ConfigError(
+                        [f"at step {self.step_count}, {why}: something else set it since (a torch "
+                         "scheduler stepped beside the engine?). The engine writes the knobs' values "
+                         "at every step and follows the schedule you gave it (schedule=...): remove "
+                         "the scheduler.step() call, or declare the knob on another setting"])
+
     def _check_factors(self) -> None:
         if self._bad_factor is not None:
             name, scale, step = self._bad_factor
@@ -483,6 +497,8 @@ class Engine:
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                               and not isinstance(max_grad_norm, bool) and max_grad_norm > 0):
             raise ConfigError([f"max_grad_norm must be a number > 0 or None (got {max_grad_norm!r})"])
+        if self.step_count + 1 >= self._next_sync:  # once per interval: no host read on other steps
+            self._check_written()
         clip, cap = torch.nn.utils.clip_grad_norm_, max_grad_norm
         norms = None
         if self._state is not None:  # one state, one mean gradient: unscale, clip and step once

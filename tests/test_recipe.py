@@ -231,3 +231,43 @@ def test_autolr_without_a_momentum_cycle_leaves_the_optimizers_momentum_alone(di
     for b in data(digits, 20, size=16):
         engine.step(ce, b)
         assert opt.param_groups[0]["momentum"] == 0.9
+
+
+# --- a scheduler stepped beside the engine -------------------------------------------------
+
+
+def test_a_scheduler_given_as_schedule_and_also_stepped_is_an_error_at_the_first_sync(digits):
+    """Stepping it would overwrite the explored lr at every step and silently turn the search off."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + 0.01 * t))
+    engine = hpx.autolr(model, opt, total_steps=200, schedule=sched, probe=data(digits, 1, seed=9))
+    with pytest.raises(hpx.ConfigError, match=r"scheduler\.step\(\)") as e:
+        for b in data(digits, 200, size=16):
+            engine.step(ce, b)
+            sched.step()
+    assert "parameter group 0's lr" in str(e.value)
+    assert engine.step_count < engine.next_sync  # caught before the first sync acted
+
+
+def test_an_lr_set_by_hand_on_a_knobs_group_is_an_error_and_the_engine_untouched_till_then(digits):
+    engine = hpx.Engine(mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        [hpx.LearningRate("lr", base=0.1, spread=0.2)], replicas=2, sync_every=5, seed=0)
+    batches = data(digits, 10, size=16)
+    for b in batches[:3]:
+        engine.step(ce, b)
+    engine.replicas[1].optimizer.param_groups[0]["lr"] = 0.5
+    engine.step(ce, batches[3])  # not yet the interval's last step: not read
+    with pytest.raises(hpx.ConfigError, match="knob 'lr' wrote"):
+        engine.step(ce, batches[4])
+    assert engine.step_count == 4 and not engine.history
+
+
+def test_the_drift_check_is_quiet_when_only_the_engine_writes(digits):
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=60)
+    engine = hpx.autolr(model, opt, total_steps=60, schedule=sched, probe=data(digits, 1, seed=9))
+    for b in data(digits, 60, size=16):
+        engine.step(ce, b)
+    assert len(engine.history) > 10

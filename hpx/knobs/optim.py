@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -74,18 +75,8 @@ class GroupKnob(Knob):
         return i
 
     def bind(self, replica: Replica) -> Setter:
-        # Look the group up at every write: optimizer.load_state_dict replaces the
-        # param-group dicts, so a dict captured here would go stale.
-        i, key = self._index(replica), self.key
-
-        def setter(value: float) -> None:
-            g = replica.optimizer.param_groups[i]
-            if torch.is_tensor(g[key]):  # capturable/compiled optimizers: keep the tensor, as torch does
-                g[key].fill_(value)
-            else:
-                g[key] = value
-
-        return setter
+        i = self._index(replica)
+        return _GroupSetter(replica.optimizer, [(i, 1.0)], self.key, self.name)
 
     def targets(self, replica: Replica) -> list[str]:
         return [f"{self.key} of parameter group {self._index(replica)}"]
@@ -217,11 +208,38 @@ class LearningRateScale(Knob):
             raise ConfigError([f"knob {self.name!r} scales the optimizer's learning rates, but every "
                                f"group's lr is 0 ({lrs}): build the optimizer with the lr you would use"])
 
-        def setter(value: float) -> None:
-            for g, lr in zip(opt.param_groups, lrs):  # looked up each time: load_state_dict replaces them
-                if torch.is_tensor(g["lr"]):
-                    g["lr"].fill_(lr * value)
-                else:
-                    g["lr"] = lr * value
+        return _GroupSetter(opt, list(enumerate(lrs)), "lr", self.name)
 
-        return setter
+
+class _GroupSetter:
+    """Writes ``factor * value`` into ``key`` of each listed parameter group, and tells whether
+    something else has written there since (:meth:`drift`).
+
+    The groups are looked up at every write: ``optimizer.load_state_dict`` replaces the
+    param-group dicts, so a dict captured here would go stale."""
+
+    __slots__ = ("groups", "key", "name", "optimizer")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[tuple[int, float]], key: str,
+                 name: str) -> None:
+        self.optimizer, self.groups, self.key, self.name = optimizer, groups, key, name
+
+    def __call__(self, value: float) -> None:
+        pgs, key = self.optimizer.param_groups, self.key
+        for i, factor in self.groups:
+            g = pgs[i]
+            if torch.is_tensor(g[key]):  # capturable/compiled optimizers: keep the tensor, as torch does
+                g[key].fill_(factor * value)
+            else:
+                g[key] = factor * value
+
+    def drift(self, value: float) -> str | None:
+        """``None`` if the groups hold what writing ``value`` put there; else what differs
+        (a host read of a tensor setting: call it at a sync, not every step)."""
+        for i, factor in self.groups:
+            got, want = self.optimizer.param_groups[i][self.key], factor * value
+            got = float(got.item()) if torch.is_tensor(got) else got
+            if not math.isclose(got, want, rel_tol=1e-6, abs_tol=0.0):
+                return (f"parameter group {i}'s {self.key} is {got:.6g} where knob {self.name!r} wrote "
+                        f"{want:.6g}")
+        return None
