@@ -19,6 +19,7 @@ import torch
 
 import hpx
 from benchmarks.lr.tasks import Task, get_task
+from hpx.search import Stretch
 
 __all__ = ["METHODS", "Run", "execute"]
 
@@ -47,8 +48,32 @@ def _autolr(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                       loss_fn=lambda rep, b: task.loss(rep.model, b), seed=seed)
 
 
+class _DeadZoneStretch(Stretch):
+    """Experiment: Stretch that moves only by what its fitted ``log rho*`` exceeds ``tau`` by
+    (a preference smaller than the estimator's bias is not acted on)."""
+
+    def __init__(self, *a: Any, tau: float, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.tau = tau
+
+    def _fit(self, z: torch.Tensor, scores: torch.Tensor) -> float | None:
+        best = super()._fit(z, scores)
+        if best is None:
+            return None
+        return math.copysign(max(abs(best) - self.tau, 0.0), best)
+
+
+def _dead_zone(tau: float) -> Callable[..., hpx.Engine]:
+    def build(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int,
+              seed: int) -> hpx.Engine:
+        engine = _autolr(task, model, opt, sched, steps, seed)
+        engine.search = _DeadZoneStretch(steps, tau=tau)  # the same settings as the one it replaces
+        return engine
+    return build
+
+
 # A method: f(task, model, optimizer, scheduler, steps, seed) -> an hpx.Engine to step.
-METHODS: dict[str, Callable[..., hpx.Engine]] = {"autolr": _autolr}
+METHODS: dict[str, Callable[..., hpx.Engine]] = {"autolr": _autolr, "deadzone-0.2": _dead_zone(0.2)}
 
 
 def _with_steps(task: Task, steps: int | None) -> Task:
@@ -92,7 +117,9 @@ def execute(run: Run) -> dict[str, Any]:
         seconds = time.perf_counter() - t0
         factor = engine.bases.get("lr", 1.0)
         out["end_lr"] = run.lr * factor
-        out["history"] = [{"step": r.step, "lr": r.bases.get("lr"), "phase": r.phase}
+        out["history"] = [{"step": r.step, "lr": r.bases.get("lr"), "phase": r.phase,
+                           "points": None if r.points is None else list(r.points),
+                           "scores": list(r.scores) if r.searched else None}
                           for r in engine.history]
     val = task.evaluate(final) if final is not None else math.nan
     if not math.isfinite(val):
