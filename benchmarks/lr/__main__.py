@@ -41,11 +41,11 @@ def _load(path: Path) -> dict[str, Any]:
 def _save(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=0, sort_keys=True, default=_nan))
+    tmp.write_text(json.dumps(data, indent=0, sort_keys=True, default=_refuse))
     os.replace(tmp, path)
 
 
-def _nan(x: Any) -> Any:
+def _refuse(x: Any) -> Any:
     raise TypeError(f"cannot save {x!r}")
 
 
@@ -131,13 +131,18 @@ def cells(task: str, grids: dict[str, Any], steps: int | None = None) -> dict[st
     return {name: lrs[i] * f for name, f in STARTS.items()}
 
 
-def plain_at(task: str, lr: float, grids: dict[str, Any], steps: int | None) -> list[float]:
-    """Plain training's validation losses at ``lr`` (a grid point), one per seed."""
-    lrs = grid_lrs(task, grids, steps)
-    near = min(lrs, key=lambda x: abs(math.log(x / lr)))
+def grid_point(task: str, lr: float, grids: dict[str, Any], steps: int | None) -> float:
+    """The grid's lr equal to ``lr`` (up to rounding); an error if the grid has none."""
+    near = min(grid_lrs(task, grids, steps), key=lambda x: abs(math.log(x / lr)))
     if abs(math.log(near / lr)) > 1e-6:
         raise SystemExit(f"{task}: no grid point at lr {lr:.3g}; run `python -m benchmarks.lr grid`")
-    return [_val(grids, Run(task, "plain", near, s, steps)) for s in SEEDS]
+    return near
+
+
+def plain_at(task: str, lr: float, grids: dict[str, Any], steps: int | None) -> list[dict[str, Any]]:
+    """Plain training's runs at ``lr`` (a grid point), one per seed."""
+    at = grid_point(task, lr, grids, steps)
+    return [grids[Run(task, "plain", at, s, steps).key] for s in SEEDS]
 
 
 def table(method: str, tasks: list[str], grids: dict[str, Any], store: dict[str, Any],
@@ -150,15 +155,14 @@ def table(method: str, tasks: list[str], grids: dict[str, Any], store: dict[str,
         oracle_lr, oracle = lrs[i], means[i]
         const = t.constant_loss()
         for name, lr in cells(task, grids, steps).items():
-            plain = plain_at(task, lr, grids, steps)
+            plain_runs = plain_at(task, lr, grids, steps)
+            plain = [math.nan if r["val"] is None else r["val"] for r in plain_runs]
             runs = [store[Run(task, method, lr, s, steps).key] for s in SEEDS]
             vals = [math.nan if r["val"] is None else r["val"] for r in runs]
             hpx_mean = _mean(vals)
             plain_mean = _mean(plain)
             end = math.exp(statistics.fmean(math.log(r["end_lr"]) for r in runs))
             plain_trains = not math.isnan(plain_mean) and plain_mean < 0.98 * const
-            plain_runs = [grids[Run(task, "plain", _grid_key_lr(task, lr, grids, steps), s, steps).key]
-                          for s in SEEDS]
             rows.append({
                 "task": task, "start": name, "held_out": task in HELD_OUT, "lr": lr,
                 "oracle_lr": oracle_lr, "oracle": oracle, "plain": plain_mean, "hpx": hpx_mean,
@@ -169,10 +173,6 @@ def table(method: str, tasks: list[str], grids: dict[str, Any], store: dict[str,
                 / statistics.fmean(r["seconds"] for r in plain_runs),
             })
     return rows
-
-
-def _grid_key_lr(task: str, lr: float, grids: dict[str, Any], steps: int | None) -> float:
-    return min(grid_lrs(task, grids, steps), key=lambda x: abs(math.log(x / lr)))
 
 
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:

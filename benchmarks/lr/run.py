@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -79,8 +79,6 @@ METHODS: dict[str, Callable[..., hpx.Engine]] = {"autolr": _autolr, "deadzone-0.
 def _with_steps(task: Task, steps: int | None) -> Task:
     if steps is None or steps == task.steps:
         return task
-    from dataclasses import replace
-
     return replace(task, steps=steps)
 
 
