@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -103,3 +104,38 @@ def test_verdict_reads_the_criteria_off_the_rows():
     assert v["fixed_point_3x"] == pytest.approx(4 / 6)
     assert v["lost"] == 1 and v["cost_max"] == pytest.approx(1.3)
     assert SEEDS == (0, 1)
+
+
+def test_the_race_prototype_moves_by_its_multipliers_and_keeps_the_winning_fork():
+    from benchmarks.lr.prototypes import race
+
+    task = replace(TASKS["digits_mlp"], steps=40)
+
+    def run(widths):
+        model = task.model(0)
+        opt = task.optimizer(model, 0.1)
+        gen = torch.Generator().manual_seed(3)
+        return race(task, model, opt, task.scheduler(opt), [task.sample(gen) for _ in range(task.steps)],
+                    widths=widths)
+
+    final, factor = run((3.0, 2.0))
+    # two races: the factor is one of the nine products of (1/3, 1, 3) and (1/2, 1, 2)
+    products = {a * b for a in (1 / 3, 1.0, 3.0) for b in (0.5, 1.0, 2.0)}
+    assert any(math.isclose(factor, p) for p in products)
+    assert all(torch.isfinite(p).all() for p in final.parameters())
+    assert task.evaluate(final) < task.evaluate(task.model(0))
+    # a fork that blows up loses (the one at 1e6 times the lr)
+    final, factor = run((1e6,))
+    assert factor in (1e-6, 1.0) and all(torch.isfinite(p).all() for p in final.parameters())
+
+
+def test_the_diagnostic_finds_where_a_reading_crosses_and_where_a_parabola_bottoms():
+    from benchmarks.lr.diagnose import FACTORS, RHOS, _crossing, _log_rho_star
+
+    assert len(FACTORS) == 5
+    assert math.isclose(_crossing([1.0, 1.0, 0.5, -0.5, -1.0]), 10 ** 0.25, rel_tol=1e-9)  # halfway 1x..3.2x
+    assert _crossing([-1.0] * 5) == 0.0 and _crossing([1.0] * 5) == math.inf
+    for best in (1 / 1.3, 1.0, 1.2):  # a parabola in log rho with its bottom at `best`
+        curve = [(math.log(r) - math.log(best)) ** 2 for r in RHOS]
+        assert abs(_log_rho_star(curve) - math.log(best)) < 0.02
+    assert _log_rho_star([1.0, math.nan] + [1.0] * (len(RHOS) - 2)) == -1.0

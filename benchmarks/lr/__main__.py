@@ -23,6 +23,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lr.prototypes import LOOPS
 from benchmarks.lr.run import METHODS, Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
@@ -292,7 +293,7 @@ def write_docs(method: str, grids: dict[str, Any], table_md: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=("grid", "eval", "report"))
-    p.add_argument("--method", default="autolr", choices=sorted(METHODS))
+    p.add_argument("--method", default="autolr", choices=sorted([*METHODS, *LOOPS]))
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--quick", action="store_true",

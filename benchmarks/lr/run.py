@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 import hpx
+from benchmarks.lr.prototypes import LOOPS
 from benchmarks.lr.tasks import Task, get_task
 from hpx.search import Stretch
 
@@ -104,6 +105,10 @@ def execute(run: Run) -> dict[str, Any]:
             sched.step()
         seconds = time.perf_counter() - t0
         final = model
+    elif run.method in LOOPS:
+        final, factor = LOOPS[run.method](task, model, opt, sched, batches)
+        seconds = time.perf_counter() - t0
+        out["end_lr"] = run.lr * factor
     else:
         engine = METHODS[run.method](task, model, opt, sched, task.steps, run.seed)
         try:

@@ -1,0 +1,98 @@
+"""Search prototypes written as training loops, to measure a design before it is built into hpx.
+
+A prototype takes the user's model, optimizer and scheduler and the run's batches, trains, and
+returns the final model and the factor it ends at on the peak lr. It runs in the suite like a
+method (``python -m benchmarks.lr eval --method race``), so its table reads like any other.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from benchmarks.lr.tasks import Task
+
+__all__ = ["LOOPS"]
+
+State = tuple[torch.nn.Module, torch.optim.Optimizer, Any]
+
+
+def _step(task: Task, state: State, batch: Any, factor: float) -> bool:
+    """One optimizer step at ``factor`` times the scheduler's lr; False when the loss is not finite."""
+    model, opt, sched = state
+    loss = task.loss(model, batch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] *= factor
+    opt.step()
+    for g, lr in zip(opt.param_groups, lrs):  # the scheduler sees its own values
+        g["lr"] = lr
+    sched.step()
+    return bool(torch.isfinite(loss))
+
+
+@torch.no_grad()
+def _probe_at(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> float:
+    params = list(model.parameters())
+    keep = [p.detach().clone() for p in params]
+    for p, w in zip(params, weights):
+        p.copy_(w)
+    probe = task.probe()
+    loss = sum(float(task.loss(model, b)) for b in probe) / len(probe)
+    for p, k in zip(params, keep):
+        p.copy_(k)
+    return loss if math.isfinite(loss) else math.inf
+
+
+def race(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+         batches: Sequence[Any], *, start: float = 0.02, length: float = 0.05,
+         widths: Sequence[float] = (3.0, 3.0, 1.7, 1.3), average: bool = True,
+         guards: Sequence[float] = ()) -> tuple[torch.nn.Module, float]:
+    """Races of forks: at ``len(widths)`` back-to-back windows of ``length`` of the run (from
+    ``start``), the run is forked into copies at ``1/c``, 1 and ``c`` times its lr factor, each
+    trained on the window's batches; the fork whose average weights over the window (its last
+    weights unless ``average``) score lowest on the probe goes on, and its factor with it. At each
+    share of the run in ``guards`` a shrink-only race (1/2 and 1) follows."""
+    total = len(batches)
+    h = max(3, round(length * total))
+    beta = 1 - min(1.0, 3 / h)
+    starts = {round(start * total) + k * h: c for k, c in enumerate(widths)}
+    for g in guards:
+        starts.setdefault(round(g * total), -2.0)
+    state: State = (model, opt, sched)
+    factor, t = 1.0, 0
+    model.train()
+    while t < total:
+        c = starts.get(t)
+        if c is None or t + h > total:
+            _step(task, state, batches[t], factor)
+            t += 1
+            continue
+        mults = (0.5, 1.0) if c < 0 else (1 / c, 1.0, c)
+        forks = [copy.deepcopy(state) if m != 1.0 else state for m in mults]
+        emas = [[p.detach().clone() for p in f[0].parameters()] for f in forks]
+        alive = [True] * len(forks)
+        for b in batches[t:t + h]:
+            for i, (f, m) in enumerate(zip(forks, mults)):
+                if alive[i]:
+                    alive[i] = _step(task, f, b, factor * m)
+                    with torch.no_grad():
+                        torch._foreach_lerp_(emas[i], list(f[0].parameters()), 1 - beta if average else 1.0)
+        scores = [_probe_at(task, f[0], e) if ok else math.inf for f, e, ok in zip(forks, emas, alive)]
+        win = min(range(len(forks)), key=lambda i: (scores[i], abs(math.log(mults[i]))))
+        state, factor = forks[win], factor * mults[win]
+        t += h
+    return state[0], factor
+
+
+# A loop: f(task, model, optimizer, scheduler, batches) -> (final model, end factor).
+LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
+    "race": race,
+    "race-last-guard": lambda *a: race(*a, average=False, guards=(0.5, 0.7)),
+}
