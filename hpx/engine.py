@@ -1072,7 +1072,8 @@ class Engine:
         recorded since the last sync (the next interval starts empty). Checked before
         anything changes, as :meth:`load_state_dict`, except the replica count.
         """
-        states = list(states)
+        keys = list(self.replicas[0].model.state_dict())
+        states = [_unwrapped(st, keys) for st in states]  # saved under DDP, loaded into a bare model
         problems = []
         if not states:
             problems.append("load_elastic needs the saved run's checkpoints (one per process it had)")
@@ -1416,6 +1417,27 @@ _TRAJECTORY = ("sync_every", "mode", "average", "average_optimizer_state", "cont
 def _short(v: Any, n: int = 120) -> str:
     text = repr(v)
     return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _unwrapped(state: Any, keys: list[str]) -> Any:
+    """``state`` (a saved engine state) with its replicas' model entries renamed to ``keys`` when
+    the two differ only by DistributedDataParallel's ``module.`` prefix (a run saved under DDP
+    resumed into a bare model, or the other way round); otherwise ``state`` as it is."""
+    if not isinstance(state, dict) or not isinstance(state.get("replicas"), list):
+        return state
+    pre = "module."
+    out = []
+    for rep in state["replicas"]:
+        model = rep.get("model") if isinstance(rep, dict) else None
+        if not isinstance(model, dict) or list(model) == keys:
+            out.append(rep)
+            continue
+        if all(k.startswith(pre) for k in model) and [k[len(pre):] for k in model] == keys:
+            model = {k[len(pre):]: v for k, v in model.items()}
+        elif all(k.startswith(pre) for k in keys) and [pre + k for k in model] == keys:
+            model = {pre + k: v for k, v in model.items()}
+        out.append({**rep, "model": model})
+    return {**state, "replicas": out}
 
 
 def _mean_states(states: list[dict[str, Any]]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ damaged files, refusal without change. The distributed cases are in test_engine_
 from __future__ import annotations
 
 import logging
+import math
 import random
 
 import pytest
@@ -213,3 +214,40 @@ def test_elastic_refuses_another_model(tmp_path):
     with pytest.raises(hpx.ConfigError, match="another architecture"):
         hpx.load_checkpoint(tmp_path, other, elastic=True)
     assert all(torch.equal(a, b) for a, b in zip(before, other.replicas[0].model.parameters()))
+
+
+@pytest.mark.parametrize("saved_at", [4, 10, 16, 24])
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_autolr_resumes_elastically_and_runs_to_the_end(tmp_path, digits, m, saved_at):
+    """Saved with 4 replicas inside the search's window (4, 10), at its end (16) and after it
+    (24), resumed with 1, 2 or 8: the first sync scores the replicas where they are (no move, no
+    landing), the next ones place the new count's points, and the run ends like any other."""
+    steps = 40
+    batches = data(digits, steps, size=48)
+
+    def engine(n):
+        return hpx.autolr(_model(), lambda mod: torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9),
+                          total_steps=steps, probe=batches[:2], loss_fn=ce, replicas=n)
+
+    def train(e, until):
+        while e.step_count < until:
+            e.step(ce, batches[e.step_count])
+
+    src = engine(4)
+    train(src, saved_at)
+    hpx.save_checkpoint(tmp_path, src)
+    base = src.bases["lr"]
+    dst = engine(m)
+    assert hpx.load_checkpoint(tmp_path, dst, elastic=True) == saved_at
+    assert dst.bases["lr"] == base and dst.step_count == saved_at
+    train(dst, steps)
+    assert math.isfinite(dst.bases["lr"])
+    assert all(torch.isfinite(p).all() for p in dst.converge().parameters())
+    resumed = [r for r in dst.history if r.step > saved_at]
+    assert resumed, "no sync after the resume"
+    if resumed[0].searched:  # the first sync after the resume scored unplaced replicas: no move
+        assert resumed[0].points is None and resumed[0].bases["lr"] == base
+    placed = [r for r in resumed[1:] if r.points is not None]
+    assert all(len(r.points) == m * -(-4 // m) for r in placed)  # the smallest multiple of m >= 4
+    if saved_at < 16:  # inside the window the search goes on with the new count
+        assert placed

@@ -153,6 +153,23 @@ def _train_autolr(backend: hpx.Collective, *, ddp: bool = True) -> dict:
             "states": [_state(r.model) for r in engine.replicas]}
 
 
+def _autolr_saved(backend: hpx.Collective) -> dict:
+    """autolr over the ranks (DDP, one replica each) saved inside its search window, for a test in
+    process to resume elastically."""
+    import tempfile
+
+    world, rank = backend.world_size, backend.rank
+    root = backend.broadcast_object(tempfile.mkdtemp(prefix="hpx-autolr-") if rank == 0 else None, 0)
+    torch.manual_seed(0)
+    engine = hpx.autolr(_ddp(_Net()), _optimizer, total_steps=STEPS, probe=_batches(1, seed=7),
+                        backend=backend, seed=0)
+    for x, y in _batches(10):
+        x, y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+        engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+    hpx.save_checkpoint(root, engine)
+    return {"root": root, "bases": engine.bases}
+
+
 def _checkpoint_resume(backend: hpx.Collective, ddp: bool = False) -> dict:
     """Save every 10 steps, "die" at step 25 with rank 1's step-20 files lost (killed while
     saving), resume every rank with hpx.load_checkpoint and finish: compare with a run that
@@ -389,6 +406,7 @@ def _world4(rank: int, world_size: int) -> dict:
     out["alpha0"] = _train(backend, ddp=True, spread=0.0)
     out["plain_ddp"] = _plain_ddp(STEPS)
     out["autolr"] = _train_autolr(backend)
+    out["autolr_saved"] = _autolr_saved(backend)
     out["checkpoint"] = _checkpoint_resume(backend)
     out["accumulate_ddp"] = _train(backend, ddp=True, accumulate=True)
     out["accumulate"] = _train(backend, accumulate=True)
@@ -645,6 +663,24 @@ def test_a_run_of_4_processes_resumes_elastically_in_one(ranks):
         assert engine.history[-1].step == 20 and len(engine.history[-1].values["lr/body"]) == 3
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+def test_autolr_of_4_processes_resumes_elastically_in_one(ranks, m):
+    """autolr saved by 4 DDP ranks inside its search window resumes in one process with 1 or 2
+    replicas and trains to the end (it used to stop at the first sync: "land=1.0 at a sync that
+    scored no placed points")."""
+    root = Path(ranks[0]["autolr_saved"]["root"])
+    torch.manual_seed(0)
+    engine = hpx.autolr(_Net(), _optimizer, total_steps=STEPS, probe=_batches(1, seed=7), replicas=m, seed=0)
+    assert hpx.load_checkpoint(root, engine, elastic=True) == 10
+    assert engine.bases == ranks[0]["autolr_saved"]["bases"]
+    for x, y in _batches(STEPS)[10:]:
+        engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+    assert engine.step_count == STEPS and [r.step for r in engine.history if r.step > 10]
+    assert all(torch.isfinite(p).all() for p in engine.converge().parameters())
+    placed = [r for r in engine.history if r.step > 11 and r.points is not None]
+    assert placed and all(len(r.points) == 4 for r in placed)  # the search went on, with the new count
 
 
 @pytest.mark.parametrize("scenario", ["accumulate", "accumulate_ddp"])

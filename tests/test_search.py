@@ -504,7 +504,7 @@ def test_stretch_does_not_move_on_scores_taken_without_a_placement():
     s = Stretch(1000, burn_in=0.0)
     s.start(start_view())
     d = s.decide(view([4.0, 3.0, 2.0, 1.0], placement=None))
-    assert d.bases.item() == 1.0 and d.land == 1.0 and d.placement is not None
+    assert d.bases.item() == 1.0 and d.land is None and d.placement is not None
 
 
 class _Rounds:

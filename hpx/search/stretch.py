@@ -163,7 +163,9 @@ class Stretch:
         self.moves.append(move)
         bases = view.bases.clone()
         bases[i] = float(bases[i]) * math.exp(move)
-        land = math.exp(min(move, 0.0))  # a shrink also moves the weights; a stretch does not
+        # a shrink also moves the weights; a stretch does not; a sync that scored no placed points
+        # (after an elastic resume) has nothing to land on
+        land = None if view.placement is None else math.exp(min(move, 0.0))
         info: dict[str, Any] = {"phase": "burn-in" if burn else "guard" if guard else "stretch",
                                 "rho": math.exp(best) if best is not None else None}
         if view.step + self._next(view.step) > self.guard_end:
