@@ -114,13 +114,13 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     finally:
         if tmp.exists():
             tmp.unlink()
-    _prune(Path(directory), rank, keep)
+    _prune(Path(directory), rank, keep, engine.step_count)
     return path
 
 
 def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
                     extra: Mapping[str, Any] | None = None, rng: bool = True,
-                    elastic: bool = False) -> int | None:
+                    elastic: bool = False, required: bool = False) -> int | None:
     """Resume from the newest step that every rank saved completely; return it, or ``None``
     when there is none (a fresh start: nothing is changed).
 
@@ -137,18 +137,74 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
             carry over). Every rank reads every saved rank's file, so the directory must
             be shared. A rank the saved run did not have takes rank 0's random streams
             and extra states.
+        required: a run that must resume: when no step can be loaded, raise
+            :class:`~hpx.ConfigError` instead of starting fresh.
+
+    A directory that does not exist yet, or is empty, is a first run (``None``). A path to a
+    file, to one ``step-...`` folder, or to a directory that holds other things but no
+    checkpoint is a mistake (:class:`~hpx.ConfigError`). When step folders exist but none can
+    be loaded on every rank, the fresh start is logged as a warning that says why.
 
     A file whose digest does not match (damaged after it was written) is skipped with a
     warning, as is a step that some rank lacks; the newest step left is loaded. When the
     engine or an extra object cannot take the checkpoint, :class:`~hpx.ConfigError` is
     raised and nothing is changed. Under torch.distributed every rank must call it.
     """
-    ConfigError.check(_extra_problems(extra))
+    problems = _extra_problems(extra) + _directory_problems(Path(directory))
+    if not isinstance(required, bool):
+        problems.append(f"required must be True or False (got {required!r})")
+    ConfigError.check(problems)
     if elastic:
-        return _load_elastic(Path(directory), engine, extra, rng)
-    if _sharded(engine):
-        return _load_sharded(Path(directory), engine, extra, rng)
-    root = Path(directory)
+        step = _load_elastic(Path(directory), engine, extra, rng)
+    elif _sharded(engine):
+        step = _load_sharded(Path(directory), engine, extra, rng)
+    else:
+        step = _load_own(Path(directory), engine, extra, rng)
+    if step is None:
+        _fresh_start(Path(directory), engine, required)
+    return step
+
+
+def _directory_problems(root: Path) -> list[str]:
+    """What is wrong with ``root`` as a run's checkpoint directory (nothing when it does not
+    exist yet: a first run)."""
+    if root.is_file():
+        up = root.parent.parent if root.parent.name and _STEP_DIR.match(root.parent.name) else root.parent
+        return [f"{root} is a file: give load_checkpoint the run's checkpoint directory, the one that holds "
+                f"the step-... folders ({up}?)"]
+    if not root.is_dir():
+        return []
+    if _STEP_DIR.match(root.name):
+        return [f"{root} is one step's folder: give load_checkpoint the run's checkpoint directory, the one "
+                f"that holds the step-... folders ({root.parent}); it resumes from the newest complete step"]
+    entries = [e.name for e in root.iterdir() if not e.name.startswith(".")]
+    if entries and not any(_STEP_DIR.match(e) for e in entries):
+        shown = ", ".join(sorted(entries)[:4]) + (" ..." if len(entries) > 4 else "")
+        return [f"{root} holds {shown} but no checkpoint (step-... folders): give load_checkpoint the "
+                "directory save_checkpoint wrote to, or an empty or new one for a first run"]
+    return []
+
+
+def _fresh_start(root: Path, engine: Engine, required: bool) -> None:
+    """Say why nothing was loaded when step folders exist on some rank (every rank says the
+    same, so no rank goes on alone), or raise when ``required``."""
+    here = root.is_dir() and any(_STEP_DIR.match(e.name) for e in root.iterdir())
+    procs = _processes(engine)
+    flags = procs.all_gather(torch.tensor([1.0 if here else 0.0], device=_device(engine)))
+    if not bool((flags > 0).any()):
+        if required:
+            raise ConfigError([f"no checkpoint in {root} (load_checkpoint(..., required=True)): "
+                               "save_checkpoint has not written there yet"])
+        return
+    why = (f"{root} holds step folders, but no step is complete and intact on every rank (files "
+           "damaged, deleted, or saves interrupted on different steps; see the warnings above)")
+    if required:
+        raise ConfigError([f"{why}: nothing was loaded (load_checkpoint(..., required=True))"])
+    log.warning("%s: starting fresh from step 0", why)
+
+
+def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool) -> int | None:
+    """This rank's file of the newest step that every rank has complete and intact."""
     rank = _processes(engine).rank
     excluded: set[int] = set()
     while True:
@@ -521,8 +577,11 @@ def _device(engine: Engine) -> torch.device:
     return engine._acc.device
 
 
-def _prune(root: Path, rank: int, keep: int) -> None:
-    for step in _complete_steps(root, rank)[keep:]:
+def _prune(root: Path, rank: int, keep: int, saved: int) -> None:
+    """Delete this rank's files of all but the newest ``keep`` complete steps up to ``saved``
+    (steps after it are an earlier run's that went further: not this run's to prune; counting them
+    would delete the saves of a run that restarted fresh because those were damaged)."""
+    for step in [s for s in _complete_steps(root, rank) if s <= saved][keep:]:
         folder = root / f"step-{step:09d}"
         for f in (folder / f"rank-{rank:05d}.pt.sha256", folder / f"rank-{rank:05d}.pt"):
             f.unlink(missing_ok=True)  # the digest first: a half-pruned step no longer counts

@@ -251,3 +251,73 @@ def test_autolr_resumes_elastically_and_runs_to_the_end(tmp_path, digits, m, sav
     assert all(len(r.points) == m * -(-4 // m) for r in placed)  # the smallest multiple of m >= 4
     if saved_at < 16:  # inside the window the search goes on with the new count
         assert placed
+
+
+# --- what load_checkpoint is given ------------------------------------------------------
+
+
+def _saved_run(tmp_path) -> hpx.Engine:
+    src, counter = _engine(), Counter()
+    _train(src, counter, 10, save_to=tmp_path)  # steps 5 and 10
+    return src
+
+
+def test_a_file_or_a_step_folder_is_an_error_naming_the_directory_and_nothing_changes(tmp_path):
+    _saved_run(tmp_path)
+    dst = _engine()
+    before = _params(dst)
+    cases = {tmp_path / "step-000000010" / "rank-00000.pt": r"is a file: .*\(" + str(tmp_path) + r"\?\)",
+             tmp_path / "step-000000010": r"one step's folder: .*\(" + str(tmp_path) + r"\)"}
+    for path, message in cases.items():
+        with pytest.raises(hpx.ConfigError, match=message):
+            hpx.load_checkpoint(path, dst)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "readme.txt").write_text("x")
+    with pytest.raises(hpx.ConfigError, match=r"holds readme.txt but no checkpoint"):
+        hpx.load_checkpoint(other, dst)
+    assert dst.step_count == 0 and all(torch.equal(a, b) for a, b in zip(before, _params(dst)))
+    assert hpx.load_checkpoint(tmp_path, dst) == 10  # the directory itself resumes
+
+
+def test_a_new_or_empty_directory_is_a_first_run_unless_required(tmp_path, caplog):
+    dst = _engine()
+    with caplog.at_level(logging.WARNING, logger="hpx"):
+        assert hpx.load_checkpoint(tmp_path / "new", dst) is None
+        assert hpx.load_checkpoint(tmp_path, dst) is None
+    assert not caplog.records  # a first run is not worth a warning
+    with pytest.raises(hpx.ConfigError, match=r"no checkpoint in .*required=True"):
+        hpx.load_checkpoint(tmp_path, dst, required=True)
+    with pytest.raises(hpx.ConfigError, match=r"required must be True or False \(got 'yes'\)"):
+        hpx.load_checkpoint(tmp_path, dst, required="yes")
+
+
+def test_checkpoints_that_all_fail_start_fresh_with_a_warning_or_raise_when_required(tmp_path, caplog):
+    _saved_run(tmp_path)
+    for f in tmp_path.glob("step-*/rank-*.pt"):
+        f.write_bytes(b"damaged")
+    dst = _engine()
+    with caplog.at_level(logging.WARNING, logger="hpx"):
+        assert hpx.load_checkpoint(tmp_path, dst) is None
+    assert any("starting fresh from step 0" in r.getMessage() and "damaged" in r.getMessage()
+               for r in caplog.records)
+    with pytest.raises(hpx.ConfigError, match=r"no step is complete and intact.*required=True"):
+        hpx.load_checkpoint(tmp_path, dst, required=True)
+    assert dst.step_count == 0
+
+
+def test_a_run_restarted_fresh_over_damaged_steps_keeps_its_own_saves(tmp_path):
+    """The damaged steps 10 and 15 of an earlier run are newer than the new run's step 3: they
+    must not count when pruning it (the new save used to be deleted right after being written,
+    so a second crash resumed from nothing)."""
+    src, counter = _engine(), Counter()
+    _train(src, counter, 15, save_to=tmp_path, save_every=5, keep=2)  # steps 10 and 15 kept
+    for f in tmp_path.glob("step-*/rank-*.pt"):
+        f.write_bytes(b"damaged")
+    fresh = _engine()
+    assert hpx.load_checkpoint(tmp_path, fresh) is None
+    _train(fresh, Counter(), 3, save_to=tmp_path, save_every=3, keep=2)
+    assert (tmp_path / "step-000000003" / "rank-00000.pt").is_file()
+    assert (tmp_path / "step-000000015" / "rank-00000.pt").is_file()  # not this run's to prune
+    again = _engine()
+    assert hpx.load_checkpoint(tmp_path, again) == 3  # a second crash resumes the new run's save
