@@ -150,18 +150,15 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     engine or an extra object cannot take the checkpoint, :class:`~hpx.ConfigError` is
     raised and nothing is changed. Under torch.distributed every rank must call it.
     """
-    problems = _extra_problems(extra) + _directory_problems(Path(directory))
+    root = Path(directory)
+    problems = _extra_problems(extra) + _directory_problems(root)
     if not isinstance(required, bool):
         problems.append(f"required must be True or False (got {required!r})")
     ConfigError.check(problems)
-    if elastic:
-        step = _load_elastic(Path(directory), engine, extra, rng)
-    elif _sharded(engine):
-        step = _load_sharded(Path(directory), engine, extra, rng)
-    else:
-        step = _load_own(Path(directory), engine, extra, rng)
+    load = _load_elastic if elastic else _load_sharded if _sharded(engine) else _load_own
+    step = load(root, engine, extra, rng)
     if step is None:
-        _fresh_start(Path(directory), engine, required)
+        _fresh_start(root, engine, required)
     return step
 
 

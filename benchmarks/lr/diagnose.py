@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from benchmarks.lr.__main__ import GRIDS, RUNS, _load, best_of_grid
+from benchmarks.lr.prototypes import probe_at, probe_loss
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 from hpx.search._util import parabola_min
 
@@ -44,24 +45,10 @@ CHECKS = [0.05 * k for k in range(1, 19)]  # 5% .. 90% of the run
 FACTORS = [0.1, 10 ** -0.5, 1.0, 10 ** 0.5, 10.0]
 
 
-@torch.no_grad()
-def _probe_loss(task: Any, model: torch.nn.Module) -> float:
-    return sum(float(task.loss(model, b)) for b in task.probe()) / len(task.probe())
-
-
-@torch.no_grad()
 def _curve(task: Any, model: torch.nn.Module, a: list[torch.Tensor],
            theta: list[torch.Tensor]) -> list[float]:
-    params = list(model.parameters())
-    keep = [p.detach().clone() for p in params]
-    out = []
-    for rho in RHOS:
-        for p, a0, t in zip(params, a, theta):
-            p.copy_(a0 + rho * (t - a0))
-        out.append(_probe_loss(task, model))
-    for p, k in zip(params, keep):
-        p.copy_(k)
-    return out
+    """The probe loss at ``a + rho (theta - a)`` for each ``rho`` in :data:`RHOS`."""
+    return [probe_at(task, model, [a0 + rho * (t - a0) for a0, t in zip(a, theta)]) for rho in RHOS]
 
 
 def _anneal(task: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[Any]) -> float:
@@ -75,7 +62,7 @@ def _anneal(task: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, batch
         o.zero_grad(set_to_none=True)
         loss.backward()
         o.step()
-    return _probe_loss(task, m)
+    return probe_loss(task, m)
 
 
 def read(task_name: str, lr: float, seed: int = 0) -> dict[str, Any]:

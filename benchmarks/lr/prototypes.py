@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.lr.tasks import Task
 
-__all__ = ["LOOPS"]
+__all__ = ["LOOPS", "probe_at", "probe_loss"]
 
 State = tuple[torch.nn.Module, torch.optim.Optimizer, Any]
 
@@ -38,16 +38,24 @@ def _step(task: Task, state: State, batch: Any, factor: float) -> bool:
 
 
 @torch.no_grad()
-def _probe_at(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> float:
+def probe_loss(task: Task, model: torch.nn.Module) -> float:
+    """The mean loss over the task's probe batches (``inf`` when it is not finite)."""
+    probe = task.probe()
+    loss = sum(float(task.loss(model, b)) for b in probe) / len(probe)
+    return loss if math.isfinite(loss) else math.inf
+
+
+@torch.no_grad()
+def probe_at(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> float:
+    """:func:`probe_loss` with ``model``'s parameters set to ``weights`` (then put back)."""
     params = list(model.parameters())
     keep = [p.detach().clone() for p in params]
     for p, w in zip(params, weights):
         p.copy_(w)
-    probe = task.probe()
-    loss = sum(float(task.loss(model, b)) for b in probe) / len(probe)
+    loss = probe_loss(task, model)
     for p, k in zip(params, keep):
         p.copy_(k)
-    return loss if math.isfinite(loss) else math.inf
+    return loss
 
 
 def race(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
@@ -84,7 +92,7 @@ def race(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: 
                     alive[i] = _step(task, f, b, factor * m)
                     with torch.no_grad():
                         torch._foreach_lerp_(emas[i], list(f[0].parameters()), 1 - beta if average else 1.0)
-        scores = [_probe_at(task, f[0], e) if ok else math.inf for f, e, ok in zip(forks, emas, alive)]
+        scores = [probe_at(task, f[0], e) if ok else math.inf for f, e, ok in zip(forks, emas, alive)]
         win = min(range(len(forks)), key=lambda i: (scores[i], abs(math.log(mults[i]))))
         state, factor = forks[win], factor * mults[win]
         t += h
