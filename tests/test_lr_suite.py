@@ -129,6 +129,33 @@ def test_the_race_prototype_moves_by_its_multipliers_and_keeps_the_winning_fork(
     assert factor in (1e-6, 1.0) and all(torch.isfinite(p).all() for p in final.parameters())
 
 
+def test_forks_that_share_the_steps_keep_the_run_on_its_clock_and_step_count():
+    from benchmarks.lr import prototypes
+
+    task = replace(TASKS["digits_mlp"], steps=60)
+    model = task.model(0)
+    opt = task.optimizer(model, 0.1)
+    sched = task.scheduler(opt)
+    gen = torch.Generator().manual_seed(3)
+    batches = [task.sample(gen) for _ in range(task.steps)]
+    calls = []
+    real = prototypes._step
+    prototypes._step = lambda *a: calls.append((a[3], a[1][2])) or real(*a)
+    try:
+        final, factor = prototypes.forks(task, model, opt, sched, batches,
+                                         rounds=((0.0, 0.5, (0.5, 1.0, 2.0)),))
+    finally:
+        prototypes._step = real
+    factors = [f for f, _ in calls]
+    # one optimizer step per batch, never more: the three forks took the first 30 in turn
+    assert len(calls) == 60 and factor in (0.5, 1.0, 2.0)
+    assert sorted(factors[:30]) == [0.5] * 10 + [1.0] * 10 + [2.0] * 10 and set(factors[30:]) == {factor}
+    # the forks' schedulers stayed on the run's clock: the winner's ends where plain training's does
+    assert calls[-1][1].last_epoch == 60
+    assert all(torch.isfinite(p).all() for p in final.parameters())
+    assert task.evaluate(final) < task.evaluate(task.model(0))
+
+
 def test_the_diagnostic_finds_where_a_reading_crosses_and_where_a_parabola_bottoms():
     from benchmarks.lr.diagnose import FACTORS, RHOS, _crossing, _log_rho_star
 

@@ -99,8 +99,71 @@ def race(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: 
     return state[0], factor
 
 
+def _tick(state: State) -> None:
+    """The fork's scheduler advances one step without a step of its own (it stays on the run's clock)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns once when a scheduler steps before its optimizer
+        state[2].step()
+
+
+def forks(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+          batches: Sequence[Any], *,
+          rounds: Sequence[tuple[float, float, Sequence[float]]] = (
+              (0.0, 0.15, (10 ** -0.5, 1.0, 10 ** 0.5)),
+              (0.15, 0.15, (10 ** -0.5, 1.0, 10 ** 0.5)),
+              (0.30, 0.10, (1 / 1.8, 1.0, 1.8)),
+              (0.55, 0.10, (0.5, 1.0)))) -> tuple[torch.nn.Module, float]:
+    """Forks that share the run's steps instead of adding their own: in each round ``(start,
+    length, multipliers)`` (shares of the run) the run is forked at those multiples of its lr
+    factor and the forks take the window's steps in turn (fork ``i`` trains on every ``k``-th
+    batch, all of them on the run's schedule), so a round costs no more steps than plain training;
+    the fork whose weights averaged over its steps score lowest on the probe goes on (ties: the
+    smallest move). The price is in progress, not time: the winner made ``1/k`` of the window's
+    steps."""
+    total = len(batches)
+    plan = {}
+    for start, length, mults in rounds:
+        h = round(length * total)
+        if h >= 2 * len(mults):  # each fork gets at least two steps, or the round is skipped
+            plan[round(start * total)] = (h, tuple(mults))
+    state: State = (model, opt, sched)
+    factor, t = 1.0, 0
+    model.train()
+    while t < total:
+        if t not in plan:
+            _step(task, state, batches[t], factor)
+            t += 1
+            continue
+        h, mults = plan[t]
+        h = min(h, total - t)
+        k = len(mults)
+        fs = [copy.deepcopy(state) if m != 1.0 else state for m in mults]
+        beta = 1 - min(1.0, 3 * k / h)
+        emas = [[p.detach().clone() for p in f[0].parameters()] for f in fs]
+        alive = [True] * k
+        for j, b in enumerate(batches[t:t + h]):
+            for i, f in enumerate(fs):
+                if i != j % k:
+                    _tick(f)
+                elif alive[i]:
+                    alive[i] = _step(task, f, b, factor * mults[i])
+                    with torch.no_grad():
+                        torch._foreach_lerp_(emas[i], list(f[0].parameters()), 1 - beta)
+                else:
+                    _tick(f)
+        scores = [probe_at(task, f[0], e) if ok else math.inf for f, e, ok in zip(fs, emas, alive)]
+        win = min(range(k), key=lambda i: (scores[i], abs(math.log(mults[i]))))
+        state, factor = fs[win], factor * mults[win]
+        t += h
+    return state[0], factor
+
+
 # A loop: f(task, model, optimizer, scheduler, batches) -> (final model, end factor).
 LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "race": race,
     "race-last-guard": lambda *a: race(*a, average=False, guards=(0.5, 0.7)),
+    "forks": forks,
+    "forks-long": lambda *a: forks(*a, rounds=((0.0, 0.3, (10 ** -0.5, 1.0, 10 ** 0.5)),
+                                               (0.3, 0.2, (1 / 1.8, 1.0, 1.8)))),
 }
