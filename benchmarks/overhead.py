@@ -22,6 +22,7 @@ import torch
 
 import hpx
 from benchmarks.tasks import get_task
+from hpx._step import _split
 
 
 def _setup(task_name: str, sync_every: int):
@@ -51,9 +52,9 @@ def _setup(task_name: str, sync_every: int):
     def plain_steps(n: int) -> None:
         for _ in range(n):
             t = state["t_plain"]
-            # hpx.engine._split is private, with no public equivalent: it is how Engine.step
+            # hpx._step._split is private, with no public equivalent: it is how Engine.step
             # splits a batch among replicas, used here so the plain steps get the same chunks
-            parts = hpx.engine._split(batches[t % len(batches)], 4)
+            parts = _split(batches[t % len(batches)], 4)
             lr = task.grid_center * f(t % task.steps)
             for m, o, b in zip(plain, opts, parts):
                 for g in o.param_groups:
@@ -117,7 +118,7 @@ def parts(task_name: str, sync_every: int = 100, n: int = 2000) -> dict[str, flo
     return {"gradient mean (_GradBuckets.average_)": tm(lambda: grads.average_(lt, engine.collective)),
             "gradient zero (_GradBuckets.zero_)": tm(grads.zero_),
             "schedule values written (Engine._write)": tm(engine._write),
-            "batch split (_split)": tm(lambda: hpx.engine._split(batch, engine.n_local))}
+            "batch split (_split)": tm(lambda: _split(batch, engine.n_local))}
 
 
 def profile(task_name: str, steps: int = 200, sync_every: int = 100, top: int = 10) -> str:

@@ -1,0 +1,448 @@
+"""The training step: each replica's forward and backward, the shared gradient (Eq. 2) with its
+three implementations, clipping and the GradScaler, the optimizer step, and the count of steps
+that triggers a sync. A part of :class:`hpx.Engine`; nothing here reads the device back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hpx.backends.base import Collective
+from hpx.errors import ConfigError
+from hpx.replica import Replica
+from hpx.signals import LossFn, SyncContext, _leaves
+
+
+class _TrainingStep:
+    """The engine's step: backward, the shared mean, the optimizer step, advance."""
+
+    def _reduce(self, alias: bool) -> None:
+        # alias: every replica's gradient may be the one mean tensor (one shared optimizer
+        # state reads it once; unscaling or clipping each replica's would repeat the work)
+        if self._one_step and not self._reduced:
+            if not self._one.intact():
+                raise ConfigError(["a replica's gradient was replaced between engine.backward() and the "
+                                   "optimizer step, while the replicas keep one gradient: modify gradients "
+                                   "in place, or build the engine with shared_optimizer_state=False"])
+            self._one.average_(self.collective, alias=alias)
+        elif self._grads is not None and not self._reduced:
+            if self._fresh:  # no engine.backward this step: a loop of its own may have moved them
+                self._grads.adopt_()
+            self._grads.average_(self._step_loss, self.collective)
+        self._reduced = True
+
+    def _parts(self, batch: Any, batches: Sequence[Any] | None) -> tuple[list[Any], Any]:
+        """Each local replica's part of the batch, and what signals score every replica on."""
+        if batches is not None:
+            if batch is not None:
+                raise ConfigError(["give batch or batches, not both"])
+            if isinstance(batches, tuple) and all(torch.is_tensor(b) for b in batches) and len(
+                    {(b.dtype, tuple(b.shape[1:])) for b in batches}) > 1:
+                raise ConfigError([f"batches=({', '.join(type(b).__name__ for b in batches)}) holds tensors "
+                                   "of different kinds, like one batch (x, y): pass it as batch=(x, y) "
+                                   "to split it among the replicas, or give batches=[batch_0, ...], one "
+                                   "batch per local replica"])
+            if len(batches) != self.n_local:
+                raise ConfigError([f"batches has {len(batches)} entries for {self.n_local} local replicas: "
+                                   "give one batch per local replica, or one batch=... to split"])
+            return list(batches), batches[0]
+        return _split(batch, self.n_local), batch
+
+    def _accumulate(self, losses: torch.Tensor, which: Sequence[int]) -> None:
+        """Add ``losses`` (of the local replicas ``which``) to the interval's sums, on device:
+        a non-finite loss adds nothing to the sum and counts as a bad step."""
+        ok = torch.isfinite(losses)
+        if len(which) == self.n_local:
+            self._acc.add_(torch.where(ok, losses, 0.0))
+            self._bad.add_(~ok)
+        else:
+            idx = list(which)
+            self._acc[idx] += torch.where(ok, losses, 0.0)
+            self._bad[idx] += ~ok
+        for l in which:
+            self._acc_n[l] += 1
+
+    def _backward(self, loss_fn: LossFn, batch: Any, batches: Sequence[Any] | None, scale: float,
+                  scaler: Any) -> torch.Tensor:
+        self._check_factors()
+        parts, shared = self._parts(batch, batches)
+        if self._fresh:  # the first micro-batch of an optimizer step
+            prepare = getattr(self.signal, "prepare", None)
+            # not when the sync places the replicas first: they must be scored where they are placed
+            if (prepare is not None and self._placement is None and self.step_count + 1 >= self._next_sync
+                    and self._controls_now(1)):
+                prepare(SyncContext(self.replicas, self._acc, shared, loss_fn, self.collective,
+                                    self.step_count))
+            self._one_step = self._one is not None
+            if self._one is not None:
+                self._one.zero_()
+            elif self._grads is not None:
+                self._grads.zero_()
+            else:
+                for r in self.replicas:
+                    r.optimizer.zero_grad(set_to_none=True)
+            self._fresh, self._reduced = False, False
+            self._last = (shared, loss_fn)
+        problems = []
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale < math.inf:
+            problems.append(f"scale must be a number > 0 (got {scale!r}): 1 / k when accumulating k "
+                            "micro-batches")
+        if scaler is not None and not callable(getattr(scaler, "scale", None)):
+            problems.append(f"scaler must be a torch.amp.GradScaler or None (got {scaler!r})")
+        ConfigError.check(problems)
+        losses = []
+        for rep, part in zip(self.replicas, parts):
+            loss = loss_fn(rep, part)
+            if not torch.is_tensor(loss) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
+                                f"of shape {getattr(loss, 'shape', None)})")
+            out = loss * scale if scale != 1 else loss
+            if not self._one_step:
+                (scaler.scale(out) if scaler is not None else out).backward()
+            elif self._one.admit(loss):  # on the host: not into the one gradient if non-finite
+                (scaler.scale(out) if scaler is not None else out).backward()
+                self._one.ran(loss)
+            losses.append(loss.detach().reshape(()))
+        lt = torch.stack(losses).to(self._acc.dtype)
+        self._accumulate(lt, range(self.n_local))
+        self._step_loss.add_(lt)  # non-finite if any micro-batch's was: left out of the mean
+        return lt
+
+    def _optimizer_step(self, max_grad_norm: float | None, scaler: Any) -> torch.Tensor | None:
+        if self._fresh:
+            raise ConfigError(["optimizer_step() found no gradients: call engine.backward(loss_fn, batch) "
+                               "first (once per micro-batch)"])
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                              and not isinstance(max_grad_norm, bool) and max_grad_norm > 0):
+            raise ConfigError([f"max_grad_norm must be a number > 0 or None (got {max_grad_norm!r})"])
+        if self.step_count + 1 >= self._next_sync:  # once per interval: no host read on other steps
+            self._check_written()
+        clip, cap = torch.nn.utils.clip_grad_norm_, max_grad_norm
+        norms = None
+        if self._state is not None:  # one state, one mean gradient: unscale, clip and step once
+            self._state.check()
+            self._reduce(alias=True)
+            self._state.attach()
+            if scaler is not None:
+                scaler.unscale_(self._state)
+            if cap is not None:
+                norms = _whole(clip(self._state.parameters(), float(cap))).expand(self.n_local).clone()
+            if scaler is not None:
+                scaler.step(self._state)
+            else:
+                self._state.step()
+        else:
+            self.reduce()
+            if scaler is not None:
+                for r in self.replicas:
+                    scaler.unscale_(r.optimizer)
+            if cap is not None:
+                norms = torch.stack([_whole(clip(r.model.parameters(), float(cap))) for r in self.replicas])
+            for r in self.replicas:
+                if scaler is not None:
+                    scaler.step(r.optimizer)
+                else:
+                    r.optimizer.step()
+        if scaler is not None:
+            scaler.update()
+        shared, loss_fn = self._last
+        self.advance(batch=shared, loss_fn=loss_fn)
+        return norms
+
+    def _record(self, loss: torch.Tensor, replica: int) -> None:
+        lt = loss.detach().reshape(1).to(self._acc.dtype)
+        self._accumulate(lt, [replica])
+        self._step_loss[replica] += lt[0]  # a non-finite loss keeps the replica out of the mean
+
+    def _advance(self, batch: Any, loss_fn: LossFn | None) -> None:
+        self._check_factors()
+        if self._shared and not self._reduced:
+            raise ConfigError(
+                [f"the {self.n_replicas} replicas train in shared mode, but this step's gradients were "
+                 "never averaged: call engine.reduce() after backward and before the optimizers step "
+                 "(or use engine.optimizer_step(), or engine.step()); without it each replica would "
+                 "follow its own gradient and the method would silently change"])
+        if self._agreement_due:
+            self._check_agreement(settle=True)
+        self._fresh, self._reduced, self._one_step = True, False, False
+        self._step_loss.zero_()
+        self.step_count += 1
+        if self.step_count >= self._next_sync:
+            self._sync(batch, loss_fn)
+        else:
+            self._write()
+
+
+class _ForeachMean:
+    """The shared-gradient mean of local replicas in one CPU process, on autograd's own
+    gradients: no flat buffer to zero and accumulate into every step (that memset and the
+    read-modify-write cost about 10% of a step at 2.4M parameters)."""
+
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        self.params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
+        self._mean: list[torch.Tensor] | None = None  # reused from step to step
+
+    def zero_(self) -> None:
+        for ps in self.params:
+            for p in ps:
+                p.grad = None
+
+    def adopt_(self) -> None:  # gradients are wherever autograd (or the user) put them
+        return None
+
+    @torch.no_grad()
+    def average_(self, losses: torch.Tensor, collective: Collective) -> None:
+        ok = [math.isfinite(v) for v in losses.tolist()]  # host tensors: reading them is free
+        if not any(ok):
+            for ps in self.params:  # no replica to take a gradient from: a zero step, as DDP's mask
+                for p in ps:
+                    p.grad = torch.zeros_like(p)
+            return
+        n = len(self.params[0])
+        grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in ps] for ps in self.params]
+        good = [g for g, f in zip(grads, ok) if f]
+        if self._mean is None or any(m.shape != g.shape or m.dtype != g.dtype
+                                     for m, g in zip(self._mean, good[0])) or len(self._mean) != n:
+            self._mean = [torch.empty_like(g) for g in good[0]]
+        mean = self._mean
+        torch._foreach_copy_(mean, good[0])
+        for g in good[1:]:
+            torch._foreach_add_(mean, g)
+        if len(good) > 1:
+            torch._foreach_mul_(mean, 1.0 / len(good))
+        for ps, gs in zip(self.params, grads):
+            for p, g in zip(ps, gs):
+                if p.grad is None:
+                    p.grad = g
+            torch._foreach_copy_([p.grad for p in ps], mean)
+
+
+class _OneGradient:
+    """One gradient for all local replicas, when they share one optimizer state (which reads
+    the mean once) and the engine runs their backward.
+
+    Flat buffers per (device, dtype), kept from step to step (allocating a gradient each step
+    page-faults it in anew: measured slower). On the CPU (``host``), where reading a loss
+    is free, every replica's ``.grad`` is a view of the one gradient, each backward adds into
+    it, and a replica whose loss is not finite skips its backward. Elsewhere nothing is read
+    back: every backward writes into one scratch gradient, which is added into the one
+    gradient unless the loss was non-finite (decided on the device), then zeroed. Either
+    way no replica's own gradient is stored. The mean is over the (replica, micro-batch)
+    pairs that ran, scaled as if all had: with one micro-batch per step, the mean over the
+    replicas whose loss was finite, as the per-replica paths give.
+    """
+
+    def __init__(self, replicas: Sequence[Replica], host: bool) -> None:
+        self.params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
+        self.host = host
+        first = self.params[0]
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(first):
+            groups.setdefault((p.device, p.dtype), []).append(i)
+        self._buffers: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (one, scratch) per group
+        self.one: list[torch.Tensor] = [torch.empty(0)] * len(first)  # per parameter: its view
+        self._into: list[torch.Tensor] = [torch.empty(0)] * len(first)  # where backward writes
+        for (device, dtype), idx in groups.items():
+            sizes = [first[i].numel() for i in idx]
+            one = torch.zeros(sum(sizes), device=device, dtype=dtype)
+            scratch = None if host else torch.zeros_like(one)
+            for i, chunk in zip(idx, one.split(sizes)):
+                self.one[i] = chunk.view(first[i].shape)
+            for i, chunk in zip(idx, (scratch if scratch is not None else one).split(sizes)):
+                self._into[i] = chunk.view(first[i].shape)
+            self._buffers.append((one, scratch))
+        self._pairs = 0  # losses seen this step (host count)
+        self._ran: int | torch.Tensor = 0  # ... of which finite (host int, or a device tensor)
+
+    def zero_(self) -> None:
+        for one, scratch in self._buffers:
+            one.zero_()
+            if scratch is not None:
+                scratch.zero_()
+        for ps in self.params:
+            for p, t in zip(ps, self._into):
+                p.grad = t
+        self._pairs = 0
+        self._ran = 0 if self.host else torch.zeros((), device=self._buffers[0][0].device)
+
+    def admit(self, loss: torch.Tensor) -> bool:
+        """Whether this replica's backward runs (on the host: only if its loss is finite)."""
+        self._pairs += 1
+        if not self.host:
+            return True
+        ok = math.isfinite(float(loss.detach()))  # a host tensor: reading it is free
+        self._ran += ok
+        return ok
+
+    @torch.no_grad()
+    def ran(self, loss: torch.Tensor) -> None:
+        """After a replica's backward (off the host): its gradient into the one, if its loss is finite."""
+        if self.host:
+            return
+        ok = torch.isfinite(loss.detach()).reshape(())
+        self._ran = self._ran + ok.to(self._buffers[0][0].device)
+        for one, scratch in self._buffers:
+            assert scratch is not None
+            scratch.masked_fill_(~ok.to(scratch.device), 0)  # never multiplied: 0 * NaN is NaN
+            one.add_(scratch)
+            scratch.zero_()
+
+    def intact(self) -> bool:
+        """Whether every replica's gradient is still where backward was to write it."""
+        return all(p.grad is t for ps in self.params for p, t in zip(ps, self._into))
+
+    @torch.no_grad()
+    def average_(self, collective: Collective, alias: bool) -> None:
+        """The one gradient <- the mean of the passes that ran, over every rank; every
+        replica's ``.grad`` is then the one (``alias``) or a copy of it."""
+        ones = [one for one, _ in self._buffers]
+        n = len(self.params) * collective.world_size
+        if collective.world_size > 1:
+            ran = torch.as_tensor(self._ran, dtype=torch.float64, device=ones[0].device).reshape(1)
+            collective.all_reduce_sum_([*ones, ran])
+            pairs = self._pairs * collective.world_size
+            factor = (pairs / n) / ran.clamp_min(1)  # on the device: no host read
+            for one in ones:
+                one.mul_(factor.to(one.dtype))
+        elif isinstance(self._ran, int):  # one process, counted on the host
+            if self._ran and self._ran != self._pairs:  # some left out: as if all had run
+                for one in ones:
+                    one.mul_((self._pairs / n) / self._ran)
+            elif n > 1:
+                for one in ones:
+                    one.mul_(1.0 / n)
+        else:
+            factor = (self._pairs / n) / self._ran.clamp_min(1)
+            for one in ones:
+                one.mul_(factor.to(one.dtype))
+        for l, ps in enumerate(self.params):
+            for p, o in zip(ps, self.one):
+                p.grad = o if alias or l == 0 else o.clone()  # a loop of its own: each its own copy
+
+
+class _GradBuckets:
+    """Local replicas' gradients as views of one ``[L, P]`` flat buffer per (device, dtype).
+
+    Autograd accumulates into an existing ``.grad`` in place, so after backward the
+    buffer holds every replica's gradient and the shared-gradient mean is one
+    masked reduction per bucket, with no per-tensor copies. Built at first use (an engine whose
+    replicas keep one gradient uses it only for a loop that runs its own backward).
+    """
+
+    def __init__(self, replicas: Sequence[Replica]) -> None:
+        self._replicas = list(replicas)
+        self.buffers: list[torch.Tensor] = []
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its grad view)
+
+    def _build(self) -> None:
+        replicas = self._replicas
+        params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params[0]):
+            groups.setdefault((p.device, p.dtype), []).append(i)
+        for (device, dtype), idx in groups.items():
+            sizes = [params[0][i].numel() for i in idx]
+            buf = torch.zeros(len(replicas), sum(sizes), device=device, dtype=dtype)
+            self.buffers.append(buf)
+            for l, ps in enumerate(params):
+                for i, chunk in zip(idx, buf[l].split(sizes)):
+                    self._views.append((ps[i], chunk.view(ps[i].shape)))  # .grad set by zero_/adopt_
+
+    def adopt_(self) -> None:
+        """Bring gradients that a loop of its own left outside the buffer back into it."""
+        if not self.buffers:
+            self._build()
+        for p, v in self._views:
+            if p.grad is not v:
+                if p.grad is None:
+                    v.zero_()
+                else:
+                    v.copy_(p.grad)
+                p.grad = v
+
+    def zero_(self) -> None:
+        if not self.buffers:
+            self._build()
+        for buf in self.buffers:
+            buf.zero_()
+        for p, v in self._views:
+            p.grad = v  # a new step starts from zero, in the buffer
+
+    def average_(self, losses: torch.Tensor, collective: Collective) -> None:
+        """Every replica's gradient <- mean over replicas with finite loss (on all ranks).
+
+        Relies on :meth:`zero_` having put the views back before backward.
+        """
+        if collective.world_size == 1 and losses.device.type == "cpu" and math.isfinite(float(losses.sum())):
+            # One process with losses on the host (reading them waits for no device) and all
+            # finite: the plain mean, two ops per bucket instead of the masked reduction.
+            for buf in self.buffers:
+                buf.copy_(buf.mean(0, keepdim=True))
+            return
+        ok = torch.isfinite(losses)
+        sums = []
+        for buf in self.buffers:
+            buf.masked_fill_(~ok.to(buf.device)[:, None], 0)
+            sums.append(buf.sum(0))
+        count = ok.sum().to(torch.float64).reshape(1)
+        if collective.world_size > 1:
+            collective.all_reduce_sum_([*sums, count])
+        for buf, s in zip(self.buffers, sums):
+            s.div_(count.to(s).clamp_min(1))
+            buf.copy_(s.expand_as(buf))
+
+
+def _split(batch: Any, n: int) -> list[Any]:
+    """``batch`` cut into ``n`` parts along the first dimension of every tensor in it."""
+    if n == 1:
+        return [batch]
+    ConfigError.check(_split_problems(batch, n))
+    return _cut(batch, n)
+
+
+def _split_problems(batch: Any, n: int) -> list[str]:
+    leaves = list(_leaves(batch, "batch"))
+    if not leaves:
+        return []
+    flat = [(where, t) for where, t in leaves if t.dim() == 0]
+    if flat:
+        samples = isinstance(batch, list) and batch and all(isinstance(b, (tuple, list, dict)) for b in batch)
+        if samples:
+            return [f"batch is a list of {len(batch)} separate examples, not a collated batch: stack them "
+                    "first (torch.utils.data.default_collate(batch), or a DataLoader), so that every "
+                    "tensor has one row per example"]
+        return [f"{flat[0][0]} is a 0-dim tensor: hpx splits every tensor of the batch among the {n} "
+                "replicas along its first dimension; give tensors with one row per example (or pass "
+                "batches=[...], one per replica)"]
+    sizes = {where: t.shape[0] for where, t in leaves}
+    if len(set(sizes.values())) > 1:
+        shown = ", ".join(f"{w}: {k}" for w, k in list(sizes.items())[:4])
+        return [f"the batch's tensors have different lengths along their first dimension ({shown}): hpx "
+                f"splits each of them among the {n} replicas, so they must hold the same examples"]
+    size = next(iter(sizes.values()))
+    if size < n:
+        return [f"a batch of size {size} cannot be split among {n} replicas: give at least one example "
+                "per replica"]
+    return []
+
+
+def _cut(batch: Any, n: int) -> list[Any]:
+    if torch.is_tensor(batch):
+        return list(torch.tensor_split(batch, n))
+    if isinstance(batch, (list, tuple)):
+        cols = [_cut(b, n) for b in batch]
+        return [type(batch)(c[i] for c in cols) if not hasattr(batch, "_fields")
+                else type(batch)(*(c[i] for c in cols)) for i in range(n)]
+    if isinstance(batch, dict):
+        cols = {k: _cut(v, n) for k, v in batch.items()}
+        return [{k: v[i] for k, v in cols.items()} for i in range(n)]
+    return [batch] * n
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded model's gradient norm (a replicated DTensor) as a plain tensor; else ``t``."""
+    return t.full_tensor() if type(t).__name__ == "DTensor" else t
