@@ -6,7 +6,6 @@ layout are :mod:`hpx.checkpoint`'s.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -14,151 +13,14 @@ from typing import Any
 import torch
 
 from hpx.averaging import params as _params
-from hpx.errors import ConfigError, ConsistencyError
+from hpx.backends._agree import agree
+from hpx.errors import ConfigError
 from hpx.replica import Replica
 from hpx.sync_record import SyncRecord
 
 
 class _RunState:
     """The engine's state: save, check, load, resume elastically, agree across ranks."""
-
-    def _load_anchor(self, state: dict[str, Any]) -> None:
-        """The placement and the run's starting parameters, as saved (absent: none)."""
-        placement, anchor = state.get("placement"), state.get("anchor")
-        self._placement = None if placement is None else torch.as_tensor(placement, dtype=torch.float64)
-        self._anchor = None if anchor is None else [
-            a.to(p.device, p.dtype).clone() for a, p in zip(anchor, _params(self.replicas[0].model))]
-
-    def _check_agreement(self, *, settle: bool) -> None:
-        """Raise :class:`ConsistencyError` on every rank if the ranks were built or resumed
-        differently (settings, knobs, search, signal, model, or, once ``settle``, the step and
-        next sync). One gather, at construction and at the first step after a load: ranks that
-        disagree would otherwise pair their collectives across different steps and hang."""
-        self._agreement_due = False
-        names, values, exact = [], [], []
-        base = self.replicas[0].model
-        base = base.module if isinstance(base, torch.nn.parallel.DistributedDataParallel) else base
-        items: list[tuple[str, Any]] = [("replicas per process", self.n_local)]
-        if settle:
-            items += [("step", self.step_count), ("next sync step", self._next_sync)]
-        items += [(k, getattr(self.config, k)) for k in _TRAJECTORY]
-        items += [("knobs", [(k.name, type(k).__name__, k.kind) for k in self.knobs]),
-                  ("search", repr(self.search)),
-                  ("signal", type(self.signal).__name__),
-                  ("model parameters",
-                   [(n, tuple(p.shape), str(p.dtype)) for n, p in base.named_parameters()])]
-        for name, v in items:
-            direct = isinstance(v, int) and not isinstance(v, bool)
-            names.append(name)
-            exact.append(direct)
-            values.append(v if direct else zlib.crc32(repr(v).encode()))
-        dev = self._acc.device if hasattr(self, "_acc") else next(
-            (p.device for p in base.parameters()), torch.device("cpu"))
-        rows = self.collective.all_gather(torch.tensor(values, dtype=torch.int64, device=dev)).cpu()
-        problems = []
-        for j, name in enumerate(names):
-            col = rows[:, j].tolist()
-            odd = [r for r, v in enumerate(col) if v != col[0]]
-            if not odd:
-                continue
-            if exact[j]:
-                have = ", ".join(f"rank {r} has {col[r]}" for r in [0, *odd])
-                problems.append(f"{name}: {have}")
-            else:
-                problems.append(f"{name}: rank(s) {odd} differ from rank 0 (this rank's: "
-                                f"{_short(dict(items)[name])})")
-        if problems:
-            when = "resuming" if settle else "building the engine"
-            raise ConsistencyError(
-                f"the ranks disagree when {when}, so their collectives would pair up across different "
-                f"steps: {'; '.join(problems)}. Build every rank with the same settings, knobs and "
-                "model, and load every rank from the same checkpoint step (hpx.load_checkpoint agrees "
-                "on one)")
-
-    def _resume_elastic(self, first: dict[str, Any]) -> None:
-        """hpx's own state from a run of another replica count, the weights being loaded
-        (``first``: the saved rank 0's state, checked)."""
-        self.knobs.load_state_dict(first["knobs"])
-        if first.get("signal") is not None and callable(getattr(self.signal, "load_state_dict", None)):
-            self.signal.load_state_dict(first["signal"])
-        self.search.load_state_dict(first["search"])
-        self.step_count = int(first["step"])
-        self._next_sync = int(first["next_sync"])
-        self._acc.zero_()
-        self._bad.zero_()
-        self._acc_n = [0] * self.n_local
-        self.history = [SyncRecord(**r) for r in first["history"]]
-        # The saved placement was for the saved replica count: the next sync scores the (identical)
-        # replicas where they are, and the strategy's next decision places the new count.
-        self._load_anchor({**first, "placement": None})
-        self._draw()  # permutations for this many replicas, from the restored stream
-        self._written = [[None] * self.n_local for _ in self.knobs]
-        self._bad_factor = None
-        self._fresh, self._reduced, self._one_step = True, False, False
-        self._write(force=True)
-        self._agreement_due = self.collective.world_size > 1
-
-    def _settings(self) -> dict[str, Any]:
-        """The settings a checkpoint records and a resumed engine must share."""
-        return {"replicas": self.n_replicas, **{k: getattr(self.config, k) for k in _TRAJECTORY},
-                "search": type(self.search).__name__,
-                "knobs": [[k.name, type(k).__name__, k.kind] for k in self.knobs]}
-
-    def _load_problems(self, state: Any, elastic: bool = False) -> list[str]:
-        """Every reason to refuse ``state``, found without changing anything (``elastic``: the
-        replica count and layout may differ)."""
-        if not isinstance(state, dict):
-            return [f"a checkpoint is the dict Engine.state_dict() returns (got {type(state).__name__})"]
-        problems = []
-        if state.get("format") not in (1, 2):
-            problems.append(f"unknown checkpoint format {state.get('format')!r} (expected 1 or 2)")
-            return problems
-        reps = state.get("replicas", [])
-        if elastic:
-            pass
-        elif state.get("n_replicas") != self.n_replicas:
-            problems.append(f"checkpoint has {state.get('n_replicas')} replicas, this engine "
-                            f"{self.n_replicas}: build the engine with replicas={state.get('n_replicas')} "
-                            "(per process) as the saved run had, or resume elastically "
-                            "(Engine.load_elastic, hpx.load_checkpoint(..., elastic=True))")
-        elif state.get("first") != self._first or len(reps) not in (0, self.n_local):
-            problems.append("checkpoint was saved by a different rank layout: load each rank's own file")
-        saved = state.get("settings")
-        if saved is not None:
-            mine = self._settings()
-            for key in [k for k in saved if k not in ("replicas", "knobs")]:
-                if key in mine and saved[key] != mine[key]:
-                    problems.append(f"checkpoint was saved with {key}={saved[key]!r}, this engine has "
-                                    f"{key}={mine[key]!r}: build it with the saved run's settings")
-        names = [k.get("name") for k in state.get("knobs", {}).get("knobs", [])]
-        if names != self.knobs.names:
-            problems.append(f"checkpoint holds knobs {names} but this run declares {self.knobs.names}")
-        anchor = state.get("anchor")
-        if anchor is not None:
-            shapes = [tuple(p.shape) for p in _params(self.replicas[0].model)]
-            if (not isinstance(anchor, (list, tuple)) or len(anchor) != len(shapes)
-                    or [tuple(getattr(a, "shape", ())) for a in anchor] != shapes):
-                problems.append(f"checkpoint's starting parameters (the anchor of the search's placement) "
-                                f"do not match this model's {len(shapes)} parameters: it was saved by "
-                                "another model")
-        placement = state.get("placement")
-        if placement is not None and anchor is None:
-            problems.append("checkpoint has a placement but no anchor: it is damaged")
-        elif placement is not None and not elastic and len(placement) % self.n_replicas:
-            problems.append(f"checkpoint's placement has {len(placement)} multipliers for "
-                            f"{self.n_replicas} replicas (a multiple is needed)")
-        pairs = [(self.replicas[0], s) for s in reps] if elastic else list(zip(self.replicas, reps))
-        for i, (r, s) in enumerate(pairs):
-            who = f"saved replica {state.get('first', 0) + i}" if elastic else f"replica {self._first + i}"
-            problems += _module_problems(f"{who}'s model", r.model.state_dict(), s.get("model", {}))
-            problems += _optimizer_problems(f"{who}'s optimizer", r.optimizer.state_dict(),
-                                            s.get("optimizer", {}))
-        return problems
-
-    def _optimizer_state(self, r: Replica) -> dict[str, Any]:
-        """The replica's ``optimizer.state_dict()``, with the shared state when there is one
-        (checkpoints look the same either way)."""
-        return r.optimizer.state_dict() if self._state is None else self._state.replica_state(r.optimizer)
 
     def _state_dict(self) -> dict[str, Any]:
         return {
@@ -182,6 +44,11 @@ class _RunState:
             "replicas": [{"model": r.model.state_dict(), "optimizer": self._optimizer_state(r)}
                          for r in self.replicas],
         }
+
+    def _optimizer_state(self, r: Replica) -> dict[str, Any]:
+        """The replica's ``optimizer.state_dict()``, with the shared state when there is one
+        (checkpoints look the same either way)."""
+        return r.optimizer.state_dict() if self._state is None else self._state.replica_state(r.optimizer)
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         ConfigError.check(self._load_problems(state))
@@ -251,16 +118,119 @@ class _RunState:
             self._state.engaged = False  # the next step takes the loaded state over
         self._resume_elastic(states[0])
 
+    def _resume_elastic(self, first: dict[str, Any]) -> None:
+        """hpx's own state from a run of another replica count, the weights being loaded
+        (``first``: the saved rank 0's state, checked)."""
+        self.knobs.load_state_dict(first["knobs"])
+        if first.get("signal") is not None and callable(getattr(self.signal, "load_state_dict", None)):
+            self.signal.load_state_dict(first["signal"])
+        self.search.load_state_dict(first["search"])
+        self.step_count = int(first["step"])
+        self._next_sync = int(first["next_sync"])
+        self._acc.zero_()
+        self._bad.zero_()
+        self._acc_n = [0] * self.n_local
+        self.history = [SyncRecord(**r) for r in first["history"]]
+        # The saved placement was for the saved replica count: the next sync scores the (identical)
+        # replicas where they are, and the strategy's next decision places the new count.
+        self._load_anchor({**first, "placement": None})
+        self._draw()  # permutations for this many replicas, from the restored stream
+        self._written = [[None] * self.n_local for _ in self.knobs]
+        self._bad_factor = None
+        self._fresh, self._reduced, self._one_step = True, False, False
+        self._write(force=True)
+        self._agreement_due = self.collective.world_size > 1
+
+    def _load_anchor(self, state: dict[str, Any]) -> None:
+        """The placement and the run's starting parameters, as saved (absent: none)."""
+        placement, anchor = state.get("placement"), state.get("anchor")
+        self._placement = None if placement is None else torch.as_tensor(placement, dtype=torch.float64)
+        self._anchor = None if anchor is None else [
+            a.to(p.device, p.dtype).clone() for a, p in zip(anchor, _params(self.replicas[0].model))]
+
+    def _settings(self) -> dict[str, Any]:
+        """The settings a checkpoint records and a resumed engine must share."""
+        return {"replicas": self.n_replicas, **{k: getattr(self.config, k) for k in _TRAJECTORY},
+                "search": type(self.search).__name__,
+                "knobs": [[k.name, type(k).__name__, k.kind] for k in self.knobs]}
+
+    def _load_problems(self, state: Any, elastic: bool = False) -> list[str]:
+        """Every reason to refuse ``state``, found without changing anything (``elastic``: the
+        replica count and layout may differ)."""
+        if not isinstance(state, dict):
+            return [f"a checkpoint is the dict Engine.state_dict() returns (got {type(state).__name__})"]
+        problems = []
+        if state.get("format") not in (1, 2):
+            problems.append(f"unknown checkpoint format {state.get('format')!r} (expected 1 or 2)")
+            return problems
+        reps = state.get("replicas", [])
+        if elastic:
+            pass
+        elif state.get("n_replicas") != self.n_replicas:
+            problems.append(f"checkpoint has {state.get('n_replicas')} replicas, this engine "
+                            f"{self.n_replicas}: build the engine with replicas={state.get('n_replicas')} "
+                            "(per process) as the saved run had, or resume elastically "
+                            "(Engine.load_elastic, hpx.load_checkpoint(..., elastic=True))")
+        elif state.get("first") != self._first or len(reps) not in (0, self.n_local):
+            problems.append("checkpoint was saved by a different rank layout: load each rank's own file")
+        saved = state.get("settings")
+        if saved is not None:
+            mine = self._settings()
+            for key in [k for k in saved if k not in ("replicas", "knobs")]:
+                if key in mine and saved[key] != mine[key]:
+                    problems.append(f"checkpoint was saved with {key}={saved[key]!r}, this engine has "
+                                    f"{key}={mine[key]!r}: build it with the saved run's settings")
+        names = [k.get("name") for k in state.get("knobs", {}).get("knobs", [])]
+        if names != self.knobs.names:
+            problems.append(f"checkpoint holds knobs {names} but this run declares {self.knobs.names}")
+        anchor = state.get("anchor")
+        if anchor is not None:
+            shapes = [tuple(p.shape) for p in _params(self.replicas[0].model)]
+            if (not isinstance(anchor, (list, tuple)) or len(anchor) != len(shapes)
+                    or [tuple(getattr(a, "shape", ())) for a in anchor] != shapes):
+                problems.append(f"checkpoint's starting parameters (the anchor of the search's placement) "
+                                f"do not match this model's {len(shapes)} parameters: it was saved by "
+                                "another model")
+        placement = state.get("placement")
+        if placement is not None and anchor is None:
+            problems.append("checkpoint has a placement but no anchor: it is damaged")
+        elif placement is not None and not elastic and len(placement) % self.n_replicas:
+            problems.append(f"checkpoint's placement has {len(placement)} multipliers for "
+                            f"{self.n_replicas} replicas (a multiple is needed)")
+        pairs = [(self.replicas[0], s) for s in reps] if elastic else list(zip(self.replicas, reps))
+        for i, (r, s) in enumerate(pairs):
+            who = f"saved replica {state.get('first', 0) + i}" if elastic else f"replica {self._first + i}"
+            problems += _module_problems(f"{who}'s model", r.model.state_dict(), s.get("model", {}))
+            problems += _optimizer_problems(f"{who}'s optimizer", r.optimizer.state_dict(),
+                                            s.get("optimizer", {}))
+        return problems
+
+    def _check_agreement(self, *, settle: bool) -> None:
+        """Raise :class:`ConsistencyError` on every rank if the ranks were built or resumed
+        differently (settings, knobs, search, signal, model, or, once ``settle``, the step and
+        next sync). One gather, at construction and at the first step after a load: ranks that
+        disagree would otherwise pair their collectives across different steps and hang."""
+        self._agreement_due = False
+        base = self.replicas[0].model
+        base = base.module if isinstance(base, torch.nn.parallel.DistributedDataParallel) else base
+        items: list[tuple[str, Any]] = [("replicas per process", self.n_local)]
+        if settle:
+            items += [("step", self.step_count), ("next sync step", self._next_sync)]
+        items += [(k, getattr(self.config, k)) for k in _TRAJECTORY]
+        items += [("knobs", [(k.name, type(k).__name__, k.kind) for k in self.knobs]),
+                  ("search", repr(self.search)),
+                  ("signal", type(self.signal).__name__),
+                  ("model parameters",
+                   [(n, tuple(p.shape), str(p.dtype)) for n, p in base.named_parameters()])]
+        dev = self._acc.device if hasattr(self, "_acc") else next(
+            (p.device for p in base.parameters()), torch.device("cpu"))
+        agree(self.collective, items, "resuming" if settle else "building the engine", dev)
+
 
 # EngineConfig fields that change what a run computes: a resumed engine must share them
 _TRAJECTORY = ("sync_every", "mode", "average", "average_optimizer_state", "controller", "warmup",
                "meta_lr", "momentum", "debias_momentum", "temperature", "temperature_scale", "space",
                "decay")
-
-
-def _short(v: Any, n: int = 120) -> str:
-    text = repr(v)
-    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _unwrapped(state: Any, keys: list[str]) -> Any:

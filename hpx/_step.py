@@ -20,52 +20,6 @@ from hpx.signals import LossFn, SyncContext, _leaves
 class _TrainingStep:
     """The engine's step: backward, the shared mean, the optimizer step, advance."""
 
-    def _reduce(self, alias: bool) -> None:
-        # alias: every replica's gradient may be the one mean tensor (one shared optimizer
-        # state reads it once; unscaling or clipping each replica's would repeat the work)
-        if self._one_step and not self._reduced:
-            if not self._one.intact():
-                raise ConfigError(["a replica's gradient was replaced between engine.backward() and the "
-                                   "optimizer step, while the replicas keep one gradient: modify gradients "
-                                   "in place, or build the engine with shared_optimizer_state=False"])
-            self._one.average_(self.collective, alias=alias)
-        elif self._grads is not None and not self._reduced:
-            if self._fresh:  # no engine.backward this step: a loop of its own may have moved them
-                self._grads.adopt_()
-            self._grads.average_(self._step_loss, self.collective)
-        self._reduced = True
-
-    def _parts(self, batch: Any, batches: Sequence[Any] | None) -> tuple[list[Any], Any]:
-        """Each local replica's part of the batch, and what signals score every replica on."""
-        if batches is not None:
-            if batch is not None:
-                raise ConfigError(["give batch or batches, not both"])
-            if isinstance(batches, tuple) and all(torch.is_tensor(b) for b in batches) and len(
-                    {(b.dtype, tuple(b.shape[1:])) for b in batches}) > 1:
-                raise ConfigError([f"batches=({', '.join(type(b).__name__ for b in batches)}) holds tensors "
-                                   "of different kinds, like one batch (x, y): pass it as batch=(x, y) "
-                                   "to split it among the replicas, or give batches=[batch_0, ...], one "
-                                   "batch per local replica"])
-            if len(batches) != self.n_local:
-                raise ConfigError([f"batches has {len(batches)} entries for {self.n_local} local replicas: "
-                                   "give one batch per local replica, or one batch=... to split"])
-            return list(batches), batches[0]
-        return _split(batch, self.n_local), batch
-
-    def _accumulate(self, losses: torch.Tensor, which: Sequence[int]) -> None:
-        """Add ``losses`` (of the local replicas ``which``) to the interval's sums, on device:
-        a non-finite loss adds nothing to the sum and counts as a bad step."""
-        ok = torch.isfinite(losses)
-        if len(which) == self.n_local:
-            self._acc.add_(torch.where(ok, losses, 0.0))
-            self._bad.add_(~ok)
-        else:
-            idx = list(which)
-            self._acc[idx] += torch.where(ok, losses, 0.0)
-            self._bad[idx] += ~ok
-        for l in which:
-            self._acc_n[l] += 1
-
     def _backward(self, loss_fn: LossFn, batch: Any, batches: Sequence[Any] | None, scale: float,
                   scaler: Any) -> torch.Tensor:
         self._check_factors()
@@ -112,6 +66,38 @@ class _TrainingStep:
         self._step_loss.add_(lt)  # non-finite if any micro-batch's was: left out of the mean
         return lt
 
+    def _parts(self, batch: Any, batches: Sequence[Any] | None) -> tuple[list[Any], Any]:
+        """Each local replica's part of the batch, and what signals score every replica on."""
+        if batches is not None:
+            if batch is not None:
+                raise ConfigError(["give batch or batches, not both"])
+            if isinstance(batches, tuple) and all(torch.is_tensor(b) for b in batches) and len(
+                    {(b.dtype, tuple(b.shape[1:])) for b in batches}) > 1:
+                raise ConfigError([f"batches=({', '.join(type(b).__name__ for b in batches)}) holds tensors "
+                                   "of different kinds, like one batch (x, y): pass it as batch=(x, y) "
+                                   "to split it among the replicas, or give batches=[batch_0, ...], one "
+                                   "batch per local replica"])
+            if len(batches) != self.n_local:
+                raise ConfigError([f"batches has {len(batches)} entries for {self.n_local} local replicas: "
+                                   "give one batch per local replica, or one batch=... to split"])
+            return list(batches), batches[0]
+        return _split(batch, self.n_local), batch
+
+    def _reduce(self, alias: bool) -> None:
+        # alias: every replica's gradient may be the one mean tensor (one shared optimizer
+        # state reads it once; unscaling or clipping each replica's would repeat the work)
+        if self._one_step and not self._reduced:
+            if not self._one.intact():
+                raise ConfigError(["a replica's gradient was replaced between engine.backward() and the "
+                                   "optimizer step, while the replicas keep one gradient: modify gradients "
+                                   "in place, or build the engine with shared_optimizer_state=False"])
+            self._one.average_(self.collective, alias=alias)
+        elif self._grads is not None and not self._reduced:
+            if self._fresh:  # no engine.backward this step: a loop of its own may have moved them
+                self._grads.adopt_()
+            self._grads.average_(self._step_loss, self.collective)
+        self._reduced = True
+
     def _optimizer_step(self, max_grad_norm: float | None, scaler: Any) -> torch.Tensor | None:
         if self._fresh:
             raise ConfigError(["optimizer_step() found no gradients: call engine.backward(loss_fn, batch) "
@@ -157,6 +143,20 @@ class _TrainingStep:
         lt = loss.detach().reshape(1).to(self._acc.dtype)
         self._accumulate(lt, [replica])
         self._step_loss[replica] += lt[0]  # a non-finite loss keeps the replica out of the mean
+
+    def _accumulate(self, losses: torch.Tensor, which: Sequence[int]) -> None:
+        """Add ``losses`` (of the local replicas ``which``) to the interval's sums, on device:
+        a non-finite loss adds nothing to the sum and counts as a bad step."""
+        ok = torch.isfinite(losses)
+        if len(which) == self.n_local:
+            self._acc.add_(torch.where(ok, losses, 0.0))
+            self._bad.add_(~ok)
+        else:
+            idx = list(which)
+            self._acc[idx] += torch.where(ok, losses, 0.0)
+            self._bad[idx] += ~ok
+        for l in which:
+            self._acc_n[l] += 1
 
     def _advance(self, batch: Any, loss_fn: LossFn | None) -> None:
         self._check_factors()

@@ -26,84 +26,6 @@ log = logging.getLogger("hpx")
 class _Syncing:
     """The engine's sync: scores, the strategy's decision, merge or land, the record."""
 
-    def _gather_scores(self, batch: Any, loss_fn: LossFn | None, placed: torch.Tensor | None = None,
-                       health: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[N]`` scores, weight health (finite iff the weights are) and non-finite loss
-        counts of every replica, in one gather. With ``placed`` (``[P]`` multipliers, ``P`` a
-        multiple of ``N``), the scores are the ``P`` points' instead, scored in ``P / N`` rounds
-        (point ``p`` by replica ``p % N`` in round ``p // N``)."""
-        counts = torch.tensor(self._acc_n, dtype=self._acc.dtype, device=self._acc.device) - self._bad
-        # the mean over the interval's finite losses; nan for a replica that had none
-        interval = torch.where(counts > 0, self._acc / counts.clamp_min(1), math.nan)
-        if isinstance(self.signal, IntervalLoss) and 0 in self._acc_n and self._controls_now():
-            raise ConfigError(
-                [f"no loss recorded for local replica {self._acc_n.index(0)} since the last sync, and "
-                 "replicas are compared on their training loss: use Engine.step, or call "
-                 "Engine.record(loss) every step (or pass the loss to the scheduler's step(loss)); "
-                 "where a framework calls scheduler.step() with no loss, compare replicas on held-out "
-                 "data instead: signal=hpx.ProbeStream(val_batches, loss_fn=...)"]
-            )
-        rounds = 1 if placed is None else placed.numel() // self.n_replicas
-        measured = []
-        for j in range(rounds):
-            if placed is not None:
-                self._move_to(placed[j * self.n_replicas:(j + 1) * self.n_replicas],
-                              None if j == 0 else placed[(j - 1) * self.n_replicas:j * self.n_replicas])
-            if self._controls_now():
-                ctx = SyncContext(self.replicas, interval, batch, loss_fn, self.collective,
-                                  self.step_count, round=j)
-                scores = self.signal.measure(ctx).detach().reshape(-1).to(self._acc.device, torch.float32)
-            else:  # the search will not read them: the interval's loss (free) stands in, for the record
-                scores = interval.to(torch.float32)
-            if scores.numel() != self.n_local:
-                raise ValueError(f"signal returned {scores.numel()} scores for {self.n_local} local replicas")
-            measured.append(scores)
-        fine = self._health().to(scores) if health else torch.zeros_like(scores)  # else checked later
-        rows = torch.stack([*measured, fine, self._bad.to(scores)])
-        rows = self.collective.all_gather(rows).to("cpu", torch.float64)  # [W, R + 2, L]: the host read
-        # point p = j N + g sits at [rank of g, round j, local index of g]
-        scores = rows[:, :rounds, :].transpose(0, 1).reshape(-1)
-        return scores, rows[:, rounds, :].reshape(-1), rows[:, rounds + 1, :].reshape(-1)
-
-    def _converge(self, weights: torch.Tensor, *, average: bool, check: bool = False) -> bool:
-        """Set replicas to the ``weights``-weighted mean of all replicas (``[N]``, >= 0; a
-        replica with weight 0 is left out and always reset). ``average=False`` resets only
-        those. ``check``: change nothing and return False if the mean is not finite (a
-        replica's weights went NaN or inf: the caller finds which, replica by replica)."""
-        cfg = self.config
-        finite = weights > 0
-        local_w = weights[self._first : self._first + self.n_local].tolist()
-        bad_local = [w == 0 for w in local_w]
-        write = [True] * self.n_local if average else bad_local
-        if not any(write) and not (~finite).any():
-            return True
-        w = [float(x) for x in local_w]
-        total = float(weights.sum())
-        states = [float_state(r.model, self._constants) for r in self.replicas]
-        if not average_(states, w, total, self.collective,
-                        write=write, bucket_cap_mb=cfg.bucket_cap_mb, check_finite=check):
-            return False
-        opt_states = [optimizer_state_tensors(r.optimizer) for r in self.replicas]
-        if opt_states[0] and (cfg.average_optimizer_state or (~finite).any()):
-            write_opt = [True] * self.n_local if cfg.average_optimizer_state else bad_local
-            average_(opt_states, w, total, self.collective, write=write_opt,
-                     bucket_cap_mb=cfg.bucket_cap_mb)
-        return True
-
-    def _sound(self) -> torch.Tensor:
-        """``[N]`` bool: replicas whose weights and buffers are all finite (one pass over every
-        replica and a gather; only when a mean turned out non-finite, or to reset replicas
-        without averaging). Raises :class:`NonFiniteError` when none is."""
-        health = self.collective.all_gather(self._health()).to("cpu", torch.float64).reshape(-1)
-        sound = torch.isfinite(health)
-        if not sound.any():
-            raise NonFiniteError(
-                f"at step {self.step_count} the weights of all {self.n_replicas} replicas are non-finite; "
-                "nothing is left to reset them from. Lower the learning rate or its spread, or check "
-                "the data for NaN/inf"
-            )
-        return sound
-
     def _sync(self, batch: Any, loss_fn: LossFn | None) -> None:
         cfg = self.config
         # a placement: score points on the run's displacement (the replicas are first averaged)
@@ -190,6 +112,121 @@ class _Syncing:
             self.collective.check_same(
                 state, f"knob bases and permutations after the sync at step {self.step_count}")
 
+    def _controls_now(self, ahead: int = 0) -> bool:
+        """Whether the search reads the scores at a sync ``ahead`` steps from now (the signal
+        is only asked for scores then)."""
+        return self.search.acts_at(self.step_count + ahead) and any(k.explore for k in self.knobs)
+
+    def _gather_scores(self, batch: Any, loss_fn: LossFn | None, placed: torch.Tensor | None = None,
+                       health: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[N]`` scores, weight health (finite iff the weights are) and non-finite loss
+        counts of every replica, in one gather. With ``placed`` (``[P]`` multipliers, ``P`` a
+        multiple of ``N``), the scores are the ``P`` points' instead, scored in ``P / N`` rounds
+        (point ``p`` by replica ``p % N`` in round ``p // N``)."""
+        counts = torch.tensor(self._acc_n, dtype=self._acc.dtype, device=self._acc.device) - self._bad
+        # the mean over the interval's finite losses; nan for a replica that had none
+        interval = torch.where(counts > 0, self._acc / counts.clamp_min(1), math.nan)
+        if isinstance(self.signal, IntervalLoss) and 0 in self._acc_n and self._controls_now():
+            raise ConfigError(
+                [f"no loss recorded for local replica {self._acc_n.index(0)} since the last sync, and "
+                 "replicas are compared on their training loss: use Engine.step, or call "
+                 "Engine.record(loss) every step (or pass the loss to the scheduler's step(loss)); "
+                 "where a framework calls scheduler.step() with no loss, compare replicas on held-out "
+                 "data instead: signal=hpx.ProbeStream(val_batches, loss_fn=...)"]
+            )
+        rounds = 1 if placed is None else placed.numel() // self.n_replicas
+        measured = []
+        for j in range(rounds):
+            if placed is not None:
+                self._move_to(placed[j * self.n_replicas:(j + 1) * self.n_replicas],
+                              None if j == 0 else placed[(j - 1) * self.n_replicas:j * self.n_replicas])
+            if self._controls_now():
+                ctx = SyncContext(self.replicas, interval, batch, loss_fn, self.collective,
+                                  self.step_count, round=j)
+                scores = self.signal.measure(ctx).detach().reshape(-1).to(self._acc.device, torch.float32)
+            else:  # the search will not read them: the interval's loss (free) stands in, for the record
+                scores = interval.to(torch.float32)
+            if scores.numel() != self.n_local:
+                raise ValueError(f"signal returned {scores.numel()} scores for {self.n_local} local replicas")
+            measured.append(scores)
+        fine = self._health().to(scores) if health else torch.zeros_like(scores)  # else checked later
+        rows = torch.stack([*measured, fine, self._bad.to(scores)])
+        rows = self.collective.all_gather(rows).to("cpu", torch.float64)  # [W, R + 2, L]: the host read
+        # point p = j N + g sits at [rank of g, round j, local index of g]
+        scores = rows[:, :rounds, :].transpose(0, 1).reshape(-1)
+        return scores, rows[:, rounds, :].reshape(-1), rows[:, rounds + 1, :].reshape(-1)
+
+    def _health(self) -> torch.Tensor:
+        """``[L]``: finite iff the local replica's weights and buffers all are."""
+        return torch.stack([_weights_norm(r.model, self._constants) for r in self.replicas]).to(self._acc)
+
+    def _sound(self) -> torch.Tensor:
+        """``[N]`` bool: replicas whose weights and buffers are all finite (one pass over every
+        replica and a gather; only when a mean turned out non-finite, or to reset replicas
+        without averaging). Raises :class:`NonFiniteError` when none is."""
+        health = self.collective.all_gather(self._health()).to("cpu", torch.float64).reshape(-1)
+        sound = torch.isfinite(health)
+        if not sound.any():
+            raise NonFiniteError(
+                f"at step {self.step_count} the weights of all {self.n_replicas} replicas are non-finite; "
+                "nothing is left to reset them from. Lower the learning rate or its spread, or check "
+                "the data for NaN/inf"
+            )
+        return sound
+
+    def _view(self, values: torch.Tensor, scores: torch.Tensor,
+              placed: torch.Tensor | None = None) -> SyncView:
+        knobs = list(self.knobs)
+        f64 = torch.float64
+        return SyncView(
+            step=self.step_count, n_replicas=self.n_replicas, names=tuple(self.knobs.names),
+            kinds=tuple(k.kind for k in knobs),
+            explore=torch.tensor([k.explore for k in knobs], dtype=torch.bool),
+            spacing=tuple(k.spacing for k in knobs),
+            spreads=torch.tensor([k.spread for k in knobs], dtype=f64),
+            bases=torch.tensor([k.base for k in knobs], dtype=f64),
+            bounds=torch.tensor([[k.low, k.high] for k in knobs], dtype=f64).reshape(len(knobs), 2),
+            values=values, scores=scores, placement=placed,
+        )
+
+    def _merge_weights(self, decision: Decision, finite: torch.Tensor) -> torch.Tensor:
+        """``[N]`` float64 weights of the consensus: the strategy's, never on a non-finite replica."""
+        w = finite.to(torch.float64)
+        if decision.merge is not None:
+            m = torch.as_tensor(decision.merge, dtype=torch.float64).reshape(-1)
+            if m.numel() != self.n_replicas or not torch.isfinite(m).all() or (m < 0).any():
+                raise ValueError(f"the search's merge weights must be {self.n_replicas} finite numbers "
+                                 f">= 0 (got {m.tolist()})")
+            w = torch.where(finite, m, 0.0)
+            if not (w > 0).any():  # the strategy kept only non-finite replicas: fall back to the rest
+                w = finite.to(torch.float64)
+        return w
+
+    def _converge(self, weights: torch.Tensor, *, average: bool, check: bool = False) -> bool:
+        """Set replicas to the ``weights``-weighted mean of all replicas (``[N]``, >= 0; a
+        replica with weight 0 is left out and always reset). ``average=False`` resets only
+        those. ``check``: change nothing and return False if the mean is not finite (a
+        replica's weights went NaN or inf: the caller finds which, replica by replica)."""
+        cfg = self.config
+        finite = weights > 0
+        local_w = weights[self._first : self._first + self.n_local].tolist()
+        bad_local = [w == 0 for w in local_w]
+        write = [True] * self.n_local if average else bad_local
+        if not any(write) and not (~finite).any():
+            return True
+        w = [float(x) for x in local_w]
+        total = float(weights.sum())
+        states = [float_state(r.model, self._constants) for r in self.replicas]
+        if not average_(states, w, total, self.collective,
+                        write=write, bucket_cap_mb=cfg.bucket_cap_mb, check_finite=check):
+            return False
+        opt_states = [optimizer_state_tensors(r.optimizer) for r in self.replicas]
+        if opt_states[0] and (cfg.average_optimizer_state or (~finite).any()):
+            write_opt = [True] * self.n_local if cfg.average_optimizer_state else bad_local
+            average_(opt_states, w, total, self.collective, write=write_opt,
+                     bucket_cap_mb=cfg.bucket_cap_mb)
+        return True
+
     def _consensus(self) -> list[int]:
         """Average the replicas whose weights are finite into every replica (before points
         are placed); the global indices of those left out."""
@@ -223,53 +260,6 @@ class _Syncing:
         self._move_to(torch.full((n,), float(land), dtype=torch.float64), placed[-n:])
         if n > 1:  # one lerp per replica from its own point: average so that they agree to the bit
             self._converge(torch.ones(n, dtype=torch.float64), average=True)
-
-    def _keep(self, rec: SyncRecord) -> None:
-        """Append ``rec`` to the history (the newest ``history_limit`` stay in memory) and to
-        the history file."""
-        self.history.append(rec)
-        limit = self.config.history_limit
-        if limit is not None and len(self.history) > limit:
-            del self.history[: len(self.history) - limit]
-        path = self.config.history_file
-        if path is not None and self._writes_files:
-            from hpx.history import _record_line
-
-            with open(path, "a") as f:
-                f.write(_record_line(rec) + "\n")
-
-    def _controls_now(self, ahead: int = 0) -> bool:
-        """Whether the search reads the scores at a sync ``ahead`` steps from now (the signal
-        is only asked for scores then)."""
-        return self.search.acts_at(self.step_count + ahead) and any(k.explore for k in self.knobs)
-
-    def _view(self, values: torch.Tensor, scores: torch.Tensor,
-              placed: torch.Tensor | None = None) -> SyncView:
-        knobs = list(self.knobs)
-        f64 = torch.float64
-        return SyncView(
-            step=self.step_count, n_replicas=self.n_replicas, names=tuple(self.knobs.names),
-            kinds=tuple(k.kind for k in knobs),
-            explore=torch.tensor([k.explore for k in knobs], dtype=torch.bool),
-            spacing=tuple(k.spacing for k in knobs),
-            spreads=torch.tensor([k.spread for k in knobs], dtype=f64),
-            bases=torch.tensor([k.base for k in knobs], dtype=f64),
-            bounds=torch.tensor([[k.low, k.high] for k in knobs], dtype=f64).reshape(len(knobs), 2),
-            values=values, scores=scores, placement=placed,
-        )
-
-    def _merge_weights(self, decision: Decision, finite: torch.Tensor) -> torch.Tensor:
-        """``[N]`` float64 weights of the consensus: the strategy's, never on a non-finite replica."""
-        w = finite.to(torch.float64)
-        if decision.merge is not None:
-            m = torch.as_tensor(decision.merge, dtype=torch.float64).reshape(-1)
-            if m.numel() != self.n_replicas or not torch.isfinite(m).all() or (m < 0).any():
-                raise ValueError(f"the search's merge weights must be {self.n_replicas} finite numbers "
-                                 f">= 0 (got {m.tolist()})")
-            w = torch.where(finite, m, 0.0)
-            if not (w > 0).any():  # the strategy kept only non-finite replicas: fall back to the rest
-                w = finite.to(torch.float64)
-        return w
 
     def _apply(self, decision: Decision, starting: bool = False) -> None:
         """Write a decision's bases, spreads, placement and next sync into the knobs and the
@@ -306,9 +296,19 @@ class _Syncing:
         self._next_sync = self.step_count + nxt
         self._placement = placement
 
-    def _health(self) -> torch.Tensor:
-        """``[L]``: finite iff the local replica's weights and buffers all are."""
-        return torch.stack([_weights_norm(r.model, self._constants) for r in self.replicas]).to(self._acc)
+    def _keep(self, rec: SyncRecord) -> None:
+        """Append ``rec`` to the history (the newest ``history_limit`` stay in memory) and to
+        the history file."""
+        self.history.append(rec)
+        limit = self.config.history_limit
+        if limit is not None and len(self.history) > limit:
+            del self.history[: len(self.history) - limit]
+        path = self.config.history_file
+        if path is not None and self._writes_files:
+            from hpx.history import _record_line
+
+            with open(path, "a") as f:
+                f.write(_record_line(rec) + "\n")
 
 
 def _weights_norm(model: torch.nn.Module, constants: Collection[str] = ()) -> torch.Tensor:

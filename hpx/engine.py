@@ -13,6 +13,11 @@ it scores the replicas (one host read), lets the strategy decide, merges the
 replicas' weights as it says, moves the bases, draws fresh permutations and
 writes the new values. How the bases move is the strategy's business
 (:mod:`hpx.search`); the engine has no branch for any particular one.
+
+This module holds the facade: construction and the public methods. Each job lives in a room of
+its own, mixed into :class:`Engine`: the knobs' values (``hpx/_values.py``), the training step
+and the shared gradient (``hpx/_step.py``), the sync (``hpx/_sync.py``) and the run's state
+(``hpx/_run_state.py``). See ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -182,7 +187,7 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         prepare = getattr(self.collective, "prepare_model", None)
         if prepare is not None:  # e.g. keep one rank's NaN gradient out of DDP's mean
             model = prepare(model)
-        self.replicas = self._build_replicas(model, optimizer, local)
+        self.replicas = _build_replicas(model, optimizer, local, self._first)
 
         self._bind_knobs()
         self.step_count = 0
@@ -250,36 +255,7 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
             for r in self.replicas:
                 _warm_noise_(r.model, cfg.warm_init, derive_seed(cfg.seed, 0x7761726D, r.index))
 
-    # --- construction --------------------------------------------------------------
-
-    def _build_replicas(self, model, optimizer, local: int) -> list[Replica]:
-        is_opt = isinstance(optimizer, torch.optim.Optimizer)
-        if not is_opt and not callable(optimizer):
-            raise ConfigError([f"optimizer must be a factory model -> Optimizer (got {optimizer!r})"])
-        if is_opt and local > 1:
-            raise ConfigError(
-                [f"{local} replicas in one process need one optimizer each: pass a factory, e.g. "
-                 "optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)"]
-            )
-        models = [model] + [copy.deepcopy(model) for _ in range(local - 1)]
-        reps = []
-        for i, m in enumerate(models):
-            opt = optimizer if is_opt else optimizer(m)
-            if not isinstance(opt, torch.optim.Optimizer):
-                raise ConfigError([f"the optimizer factory returned {type(opt).__name__}, not an Optimizer"])
-            own = {id(p) for p in m.parameters()}
-            foreign = sum(id(p) not in own for g in opt.param_groups for p in g["params"])
-            if foreign:
-                raise ConfigError(
-                    [f"replica {i}'s optimizer holds {foreign} parameter(s) that are not its model's: "
-                     "build the optimizer from the model the factory receives (lambda m: "
-                     "SGD(m.parameters(), ...)), not from a model captured outside it"]
-                )
-            reps.append(Replica(self._first + i, m, opt))
-        return reps
-
-
-    # --- the training step ------------------------------------------------------------
+    # --- the training step (hpx/_step.py) -----------------------------------------------
 
     def step(
         self, loss_fn: LossFn, batch: Any = None, *, batches: Sequence[Any] | None = None
@@ -373,6 +349,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         """
         self._advance(batch, loss_fn)
 
+    # --- the sync (hpx/_sync.py) ---------------------------------------------------------
+
     def converge(self) -> torch.nn.Module:
         """Average every replica's weights now, leaving out non-finite ones, and
         return local replica 0's model (the consensus). Use it at the end of
@@ -408,7 +386,7 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         """Knob ``name``'s current value on each local replica (schedule applied)."""
         return [r.value(name) for r in self.replicas]
 
-    # --- checkpoints ----------------------------------------------------------------------
+    # --- the run's state (hpx/_run_state.py) ---------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the same trajectory: the local replicas'
@@ -450,6 +428,36 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         return (f"Engine(replicas={self.n_replicas} ({self.n_local} local), step={self.step_count}, "
                 f"{self.knobs!r}, search={self.search!r}, signal={self.signal!r}, "
                 f"backend={self.collective!r})")
+
+
+def _build_replicas(model: torch.nn.Module, optimizer: Union[OptimizerFactory, torch.optim.Optimizer],
+                    local: int, first: int) -> list[Replica]:
+    """The local replicas: ``model`` and ``local - 1`` copies, each with its own optimizer."""
+    is_opt = isinstance(optimizer, torch.optim.Optimizer)
+    if not is_opt and not callable(optimizer):
+        raise ConfigError([f"optimizer must be a factory model -> Optimizer (got {optimizer!r})"])
+    if is_opt and local > 1:
+        raise ConfigError(
+            [f"{local} replicas in one process need one optimizer each: pass a factory, e.g. "
+             "optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)"]
+        )
+    models = [model] + [copy.deepcopy(model) for _ in range(local - 1)]
+    reps = []
+    for i, m in enumerate(models):
+        opt = optimizer if is_opt else optimizer(m)
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError([f"the optimizer factory returned {type(opt).__name__}, not an Optimizer"])
+        own = {id(p) for p in m.parameters()}
+        foreign = sum(id(p) not in own for g in opt.param_groups for p in g["params"])
+        if foreign:
+            raise ConfigError(
+                [f"replica {i}'s optimizer holds {foreign} parameter(s) that are not its model's: "
+                 "build the optimizer from the model the factory receives (lambda m: "
+                 "SGD(m.parameters(), ...)), not from a model captured outside it"]
+            )
+        reps.append(Replica(first + i, m, opt))
+    return reps
+
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
