@@ -20,7 +20,6 @@ Nothing has to be tuned:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence, Sized
 from numbers import Integral
 from typing import Any, Union
@@ -34,6 +33,7 @@ from hpx.errors import ConfigError
 from hpx.knobs.base import Knob
 from hpx.knobs.optim import LearningRateScale
 from hpx.registry import Knobs
+from hpx.schedule._shadow import read_schedule
 from hpx.search.stretch import Stretch
 from hpx.signals import LossFn, ProbeStream, SharedBatch
 
@@ -117,7 +117,7 @@ def autolr(
     ConfigError.check(problems)
     lrs, followed = None, []
     if isinstance(schedule, LRScheduler):
-        schedule, lrs, followed = _shape_of(schedule, int(total_steps))
+        schedule, lrs, followed = read_schedule(schedule, int(total_steps))
     search = Stretch(int(total_steps), span=span)
     if probe is not None:  # a few held-out batches per sync (the whole probe when it is that small)
         n = min(len(probe), _PROBE_BATCHES) if isinstance(probe, Sized) and len(probe) else 1
@@ -127,51 +127,3 @@ def autolr(
     registry = Knobs(LearningRateScale("lr", schedule=schedule, lrs=lrs), *followed, *knobs)
     return Engine(model, optimizer, registry, backend=backend, signal=signal, search=search,
                   replicas=1 if replicas is None else replicas, **settings)
-
-
-def _shape_of(scheduler: LRScheduler,
-              total_steps: int) -> tuple[Callable[[int], float], list[float], list[Knob]]:
-    """The scheduler's lr over ``total_steps + 1`` steps as a factor of its peak, each group's
-    peak lr, and, when the scheduler cycles momentum (OneCycleLR, CyclicLR), one knob per group
-    that writes its momentum (or Adam's beta1) exactly as the scheduler would; read once on a
-    copy (the scheduler and its optimizer are left as they are)."""
-    from hpx.schedule._plan import _CycledMomentum
-    from hpx.schedule._shadow import _scheduler_problems, _Shadow
-
-    ConfigError.check(_scheduler_problems(scheduler))
-    shadow = _Shadow(scheduler)
-    n = len(shadow.optimizer.param_groups)
-    lrs, momenta = [], []
-    for t in range(total_steps + 1):
-        lrs.append([shadow.lr(g, t) for g in range(n)])
-        if shadow.cycles_momentum:
-            momenta.append([shadow.momentum(g, t) for g in range(n)])
-    followed: list[Knob] = [_CycledMomentum(f"momentum/{g}", group=g,
-                                            schedule=_Table([row[g] for row in momenta]))
-                            for g in range(n)] if momenta else []
-    peaks = [max(row[g] for row in lrs) for g in range(n)]
-    if not any(p > 0 for p in peaks):
-        raise ConfigError(["the schedule's learning rates are 0 at every step: nothing to scale"])
-    ref = next(g for g in range(n) if peaks[g] > 0)
-    for t, row in enumerate(lrs):
-        factor = row[ref] / peaks[ref]
-        for g in range(n):
-            if peaks[g] > 0 and not math.isclose(row[g] / peaks[g], factor, rel_tol=1e-9, abs_tol=1e-12):
-                raise ConfigError(
-                    [f"param group {g} follows another shape than group {ref} at step {t} "
-                     f"({row[g] / peaks[g]:.6g} against {factor:.6g} of their peaks): autolr scales "
-                     "every group by one factor; declare hpx.LearningRate knobs per group instead"])
-    return _Table([row[ref] / peaks[ref] for row in lrs]), peaks, followed
-
-
-class _Table:
-    """``f(step)`` from a precomputed table; past its end, the last value."""
-
-    __slots__ = ("values",)
-
-    def __init__(self, values: list[float]) -> None:
-        self.values = values
-
-    def __call__(self, step: int) -> float:
-        v = self.values
-        return v[step] if 0 <= step < len(v) else v[-1]

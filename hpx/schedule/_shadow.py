@@ -1,9 +1,12 @@
-"""Any torch scheduler, stepped on a shadow optimizer: the knobs that explore on top of it."""
+"""Any torch scheduler, stepped on a shadow optimizer: its learning rates and momenta read step by
+step, for the knobs that explore on top of it (``ExploreLR``, ``explore_knobs``) and for the
+schedule ``hpx.autolr`` scales (:func:`read_schedule`), in one place."""
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator, Sequence
+import math
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -156,9 +159,7 @@ def explore_knobs(scheduler: LRScheduler, *, spread: float | Sequence[float] = 0
 
 
 def _scheduler_problems(scheduler: Any) -> list[str]:
-    from hpx.schedule._schedulers import _Scheduler  # the schedulers build on this module
-
-    if isinstance(scheduler, _Scheduler):
+    if getattr(type(scheduler), "_hpx_scheduler", False):  # OneCycleLR, ExploreLR
         return [f"scheduler is already an hpx scheduler ({type(scheduler).__name__}); wrap the torch "
                 "scheduler it was built from instead"]
     if isinstance(scheduler, ReduceLROnPlateau):
@@ -167,3 +168,48 @@ def _scheduler_problems(scheduler: Any) -> list[str]:
     if not isinstance(scheduler, LRScheduler):
         return [f"scheduler must be a torch.optim.lr_scheduler.LRScheduler (got {type(scheduler).__name__})"]
     return []
+
+
+def read_schedule(scheduler: LRScheduler,
+              total_steps: int) -> tuple[Callable[[int], float], list[float], list[Knob]]:
+    """The scheduler's lr over ``total_steps + 1`` steps as a factor of its peak, each group's
+    peak lr, and, when the scheduler cycles momentum (OneCycleLR, CyclicLR), one knob per group
+    that writes its momentum (or Adam's beta1) exactly as the scheduler would; read once on a
+    copy (the scheduler and its optimizer are left as they are)."""
+    ConfigError.check(_scheduler_problems(scheduler))
+    shadow = _Shadow(scheduler)
+    n = len(shadow.optimizer.param_groups)
+    lrs, momenta = [], []
+    for t in range(total_steps + 1):
+        lrs.append([shadow.lr(g, t) for g in range(n)])
+        if shadow.cycles_momentum:
+            momenta.append([shadow.momentum(g, t) for g in range(n)])
+    followed: list[Knob] = [_CycledMomentum(f"momentum/{g}", group=g,
+                                            schedule=_Table([row[g] for row in momenta]))
+                            for g in range(n)] if momenta else []
+    peaks = [max(row[g] for row in lrs) for g in range(n)]
+    if not any(p > 0 for p in peaks):
+        raise ConfigError(["the schedule's learning rates are 0 at every step: nothing to scale"])
+    ref = next(g for g in range(n) if peaks[g] > 0)
+    for t, row in enumerate(lrs):
+        factor = row[ref] / peaks[ref]
+        for g in range(n):
+            if peaks[g] > 0 and not math.isclose(row[g] / peaks[g], factor, rel_tol=1e-9, abs_tol=1e-12):
+                raise ConfigError(
+                    [f"param group {g} follows another shape than group {ref} at step {t} "
+                     f"({row[g] / peaks[g]:.6g} against {factor:.6g} of their peaks): autolr scales "
+                     "every group by one factor; declare hpx.LearningRate knobs per group instead"])
+    return _Table([row[ref] / peaks[ref] for row in lrs]), peaks, followed
+
+
+class _Table:
+    """``f(step)`` from a precomputed table; past its end, the last value."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = values
+
+    def __call__(self, step: int) -> float:
+        v = self.values
+        return v[step] if 0 <= step < len(v) else v[-1]
