@@ -22,7 +22,8 @@ class TensorBoard:
 
     Args:
         writer: a ``torch.utils.tensorboard.SummaryWriter``, or a directory to create one
-            in (needs the ``tensorboard`` package: ``pip install tensorboard``).
+            in (needs the ``tensorboard`` package: ``pip install "hpx-hdet[tensorboard]"``;
+            without it an ``ImportError`` says so).
         rank0_only: under torch.distributed, write on rank 0 only (every rank holds the
             same records).
     """
@@ -32,8 +33,9 @@ class TensorBoard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
-                raise ConfigError([f"hpx.TensorBoard({str(writer)!r}) needs the tensorboard package: "
-                                   "pip install tensorboard (or pass a SummaryWriter)"]) from exc
+                raise ImportError(f"hpx.TensorBoard({str(writer)!r}) writes with the tensorboard package: "
+                                  'pip install "hpx-hdet[tensorboard]" (or pip install tensorboard), '
+                                  "or pass a SummaryWriter") from exc
             writer = SummaryWriter(str(writer))
         elif not callable(getattr(writer, "add_scalar", None)):
             raise ConfigError([f"TensorBoard takes a directory or a SummaryWriter (got {writer!r})"])
