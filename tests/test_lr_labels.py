@@ -1,6 +1,7 @@
 """Under autolr the knob named "lr" is a factor on the optimizer's learning rates (a
 LearningRateScale): every surface shows the learning rate the optimizer used as "lr" and the
-knob as "lr factor" (issue 21, item 5): the records and the INFO log line."""
+knob as "lr factor" (issue 21, item 5): the records, the INFO log line, the progress bar,
+``hpx report``, the plot and TensorBoard."""
 
 from __future__ import annotations
 
@@ -90,6 +91,13 @@ def test_the_sync_summary_names_the_factor(run):
     _, used, hist = run
     r = hist[-1]
     assert r.summary() == f"lr {used[r.step - 1][0]:.4g}, lr factor {r.bases['lr']:.4g}"
+
+
+def test_progress_bar_shows_the_lr_and_the_factor(run):
+    _, used, hist = run
+    r = next(r for r in hist if r.searched)
+    text = hpx.ProgressBar.postfix(r)
+    assert text.startswith(f"lr {used[r.step - 1][0]:.4g}, lr factor {r.bases['lr']:.4g}, best ")
 
 
 @pytest.mark.xfail(strict=True, reason="needs two one-line changes in hpx/engine.py's _sync: "
