@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hpx
+from hpx.cli import main
 from tests._digits import ce, data, mlp
 
 LR = 0.003  # the optimizer's lr: the factor the search finds multiplies it
@@ -98,6 +99,36 @@ def test_progress_bar_shows_the_lr_and_the_factor(run):
     r = next(r for r in hist if r.searched)
     text = hpx.ProgressBar.postfix(r)
     assert text.startswith(f"lr {used[r.step - 1][0]:.4g}, lr factor {r.bases['lr']:.4g}, best ")
+
+
+def test_report_has_an_lr_column_and_a_factor_column(run, tmp_path, capsys):
+    _, used, hist = run
+    path = hpx.save_history(hist, tmp_path / "h.json")
+    back = hpx.load_history(path)
+    assert [(r.lr, r.lr_factor) for r in back] == [(r.lr, r.lr_factor) for r in hist]
+    assert main(["report", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["step", "lr", "lr", "factor", "best", "score"]
+    for line, r in zip(lines[1:], hist):
+        step, lr, factor = line.split()[:3]
+        assert int(step) == r.step and float(lr) == pytest.approx(used[r.step - 1][0], rel=1e-4)
+        assert float(factor) == pytest.approx(r.bases["lr"], rel=1e-4)
+
+
+def test_plot_shows_the_lr_and_labels_the_factor(run, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    _, used, hist = run
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k))[1])
+    hpx.plot_history(hist, tmp_path / "p.png")
+    (fig,) = figures
+    assert [ax.get_ylabel() for ax in fig.axes] == ["lr", "lr factor", "score"]
+    mean = fig.axes[0].get_lines()[-1]
+    assert list(mean.get_xdata()) == [r.step for r in hist]
+    assert list(mean.get_ydata()) == pytest.approx([used[r.step - 1][0] for r in hist], rel=1e-12)
 
 
 @pytest.mark.xfail(strict=True, reason="needs two one-line changes in hpx/engine.py's _sync: "
