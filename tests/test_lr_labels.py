@@ -131,6 +131,25 @@ def test_plot_shows_the_lr_and_labels_the_factor(run, tmp_path, monkeypatch):
     assert list(mean.get_ydata()) == pytest.approx([used[r.step - 1][0] for r in hist], rel=1e-12)
 
 
+def test_tensorboard_writes_the_lr_and_the_factor(run, tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, used, hist = run
+    board = hpx.TensorBoard(tmp_path / "tb")
+    for r in hist:
+        board(r)
+    board.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "hpx/base/lr" not in tags and "hpx/applied/lr_factor" in tags
+    assert [e.value for e in acc.Scalars("hpx/applied/lr")] == pytest.approx(
+        [used[r.step - 1][0] for r in hist], rel=1e-6)
+    assert [e.value for e in acc.Scalars("hpx/base/lr_factor")] == pytest.approx(
+        [r.bases["lr"] for r in hist], rel=1e-6)
+
+
 @pytest.mark.xfail(strict=True, reason="needs two one-line changes in hpx/engine.py's _sync: "
                    "self.knobs.label_lr(rec) before self._keep(rec), and the INFO line logging "
                    "rec.summary(); remove this mark when they are made")
