@@ -16,8 +16,8 @@ class ProgressBar:
     """A `tqdm <https://tqdm.github.io>`_ bar advanced at every sync, its postfix showing the
     learning rate the optimizer used (under :func:`~hpx.autolr`, whose ``"lr"`` knob is a factor
     on it, shown as ``lr factor``), each knob's base, the best replica's score and the search's
-    phase. It runs only at syncs, so it
-    costs nothing per step. Needs ``tqdm`` (``pip install "hpx-hdet[progress]"``).
+    phase. It runs only at syncs, so it costs nothing per step. Needs ``tqdm``
+    (``pip install "hpx-hdet[progress]"``).
 
     Args:
         total_steps: the run's length (the bar's 100%); ``None``: a counter.

@@ -85,8 +85,8 @@ class Knobs:
         applied = record.applied or {}
         for k in self._knobs:
             if isinstance(k, LearningRateScale) and k.name in applied:
-                lrs = [k.learning_rate(f) for f in applied[k.name]]
-                if all(lr is not None for lr in lrs):  # None: not bound
+                lrs = [lr for f in applied[k.name] if (lr := k.learning_rate(f)) is not None]
+                if len(lrs) == len(applied[k.name]):  # else not bound
                     record.lr, record.lr_factor = lrs, k.name
                 return
 

@@ -42,7 +42,8 @@ class SyncRecord:
         lr: when a :class:`~hpx.LearningRateScale` knob sets the learning rates (autolr's
             ``"lr"``, whose base, values and applied values are factors on the lr the optimizer
             was built with): the learning rate the optimizer used on each replica at the
-            interval's last step, in its first parameter group with a nonzero lr. ``None``
+            interval's last step, in its first parameter group with a nonzero lr (like
+            ``applied``, it is the interval's; ``bases`` are after the sync). ``None``
             without such a knob, and in histories written before this field.
         lr_factor: the name of that knob, shown as ``"<name> factor"`` (:meth:`label`), or
             ``None``.

@@ -212,7 +212,6 @@ class LearningRateScale(Knob):
 
         return _GroupSetter(opt, list(enumerate(lrs)), "lr", self.name)
 
-
     def learning_rate(self, factor: float) -> float | None:
         """The learning rate that ``factor`` (a value of this knob times its schedule factor)
         gives the first parameter group with a nonzero lr; ``None`` before the knob is bound."""
