@@ -16,12 +16,19 @@ from hpx.history import format_history, load_history
 
 __all__ = ["main"]
 
+# argparse prints these as they are: plain text, not the module docstring's reStructuredText
+_DESCRIPTION = ("Look at a saved run: hpx report HISTORY [--plot OUT.png] prints (and plots) the knob "
+                "trajectories of a history written by hpx.save_history or an engine's history_file.")
+_REPORT = ("Print the knob trajectories of a history saved with hpx.save_history (or an engine's "
+           "history_file), and optionally plot them. Does not import torch.")
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="hpx", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hpx", description=_DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"hpx {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    rep = sub.add_parser("report", help="print (and plot) the knob trajectories of a saved history")
+    rep = sub.add_parser("report", help="print (and plot) the knob trajectories of a saved history",
+                         description=_REPORT)
     rep.add_argument("history", help="a history written by hpx.save_history, or a history_file")
     rep.add_argument("--plot", metavar="PNG", help="also write a plot to this file")
     rep.add_argument("--every", type=int, default=1, help="print every N-th sync (default 1)")

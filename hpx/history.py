@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,19 +62,38 @@ def _truncate_file(path: str | Path, step: int) -> None:
 
 
 def format_history(history: Sequence[SyncRecord], every: int = 1) -> str:
-    """A plain-text table of the bases at each sync (every ``every``-th row and the last)."""
+    """A plain-text table of the bases at each sync (every ``every``-th row and the last).
+
+    Under :func:`~hpx.autolr` (a knob that is a factor on the learning rates) its first column
+    is the learning rate the optimizer used (``lr``, mean over the replicas) and the knob's
+    column is headed ``lr factor``."""
     if not history:
         return "(no syncs yet)"
     names = list(history[0].bases)
-    head = f"{'step':>7}  " + "  ".join(f"{n:>12}" for n in names) + f"  {'best score':>11}"
+    label = _labeller(history)
+    with_lr = any(r.lr for r in history)
+    head = (f"{'step':>7}  " + (f"{'lr':>12}  " if with_lr else "")
+            + "  ".join(f"{label(n):>12}" for n in names) + f"  {'best score':>11}")
     lines = [head]
     for i, r in enumerate(history):
         if i % every and i != len(history) - 1:
             continue
         finite = [s for s in r.scores if not math.isnan(s)]
         best = f"{min(finite):11.4f}" if finite else f"{'nan':>11}"
-        lines.append(f"{r.step:>7}  " + "  ".join(f"{r.bases[n]:>12.5g}" for n in names) + f"  {best}")
+        lr = (f"{_mean(r.lr):>12.5g}  " if r.lr else f"{'-':>12}  ") if with_lr else ""
+        lines.append(f"{r.step:>7}  " + lr + "  ".join(f"{r.bases[n]:>12.5g}" for n in names) + f"  {best}")
     return "\n".join(lines)
+
+
+def _labeller(history: Sequence[SyncRecord]) -> Callable[[str], str]:
+    """How the knobs of ``history`` are shown (``"lr factor"`` for a factor on the learning
+    rates, as the records that know it say)."""
+    known = next((r for r in history if r.lr_factor is not None), None)
+    return known.label if known is not None else str
+
+
+def _mean(values: Sequence[float]) -> float:
+    return math.fsum(values) / len(values)
 
 
 def _log_scale(values: list[float]) -> bool:
@@ -104,6 +123,9 @@ def _score_series(history: Sequence[SyncRecord]) -> dict[str, tuple[list[int], l
 def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | None = None) -> Path:
     """Plot each knob's base and the replicas' values per sync, and the scores, to a PNG.
 
+    Under :func:`~hpx.autolr` the first panel is the learning rate the optimizer used and the
+    ``"lr"`` knob's panel is labelled ``lr factor`` (a factor on that learning rate).
+
     Needs matplotlib (``pip install 'hpx-hdet[plot]'``).
     """
     try:
@@ -117,17 +139,25 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
     if not history:
         raise ValueError("history is empty: nothing to plot (did the run reach a sync?)")
     names = list(history[0].bases)
+    shown_as = _labeller(history)
+    # under autolr, first a panel of the learning rate the optimizer used (the knob is a factor)
+    panels: list[tuple[str, list[int], list[float], list[list[float]]]] = []
+    used = [r for r in history if r.lr]
+    if used:
+        panels.append(("lr", [r.step for r in used], [_mean(r.lr or []) for r in used],
+                       [r.lr or [] for r in used]))
     steps = [r.step for r in history]
-    fig, axes = plt.subplots(len(names) + 1, 1, figsize=(7, 2.2 * (len(names) + 1)), sharex=True)
-    axes = list(axes) if len(names) else [axes]
-    for ax, name in zip(axes, names):
-        n = len(history[0].values[name])
-        for s in range(n):
-            ax.plot(steps, [r.values[name][s] for r in history], ".", ms=2, color="0.6")
-        bases = [r.bases[name] for r in history]
-        ax.plot(steps, bases, "-", color="C0", lw=2, label="base")
-        ax.set_ylabel(name)
-        shown = bases + [v for r in history for v in r.values[name]]
+    for name in names:
+        panels.append((shown_as(name), steps, [r.bases[name] for r in history],
+                       [r.values[name] for r in history]))
+    fig, axes = plt.subplots(len(panels) + 1, 1, figsize=(7, 2.2 * (len(panels) + 1)), sharex=True)
+    axes = list(axes) if panels else [axes]
+    for i, (ax, (ylabel, xs, line, points)) in enumerate(zip(axes, panels)):
+        for s in range(len(points[0])):
+            ax.plot(xs, [p[s] for p in points], ".", ms=2, color="0.6")
+        ax.plot(xs, line, "-", color="C0", lw=2, label="mean" if i == 0 and used else "base")
+        ax.set_ylabel(ylabel)
+        shown = line + [v for p in points for v in p]
         if _log_scale(shown):  # never when a replica sits at 0: it would vanish from a log axis
             ax.set_yscale("log")
     ax = axes[-1]

@@ -13,9 +13,11 @@ __all__ = ["ProgressBar"]
 
 
 class ProgressBar:
-    """A `tqdm <https://tqdm.github.io>`_ bar advanced at every sync, its postfix showing each
-    knob's base, the best replica's score and the search's phase. It runs only at syncs, so it
-    costs nothing per step. Needs ``tqdm`` (``pip install "hpx-hdet[progress]"``).
+    """A `tqdm <https://tqdm.github.io>`_ bar advanced at every sync, its postfix showing the
+    learning rate the optimizer used (under :func:`~hpx.autolr`, whose ``"lr"`` knob is a factor
+    on it, shown as ``lr factor``), each knob's base, the best replica's score and the search's
+    phase. It runs only at syncs, so it costs nothing per step. Needs ``tqdm``
+    (``pip install "hpx-hdet[progress]"``).
 
     Args:
         total_steps: the run's length (the bar's 100%); ``None``: a counter.
@@ -55,8 +57,9 @@ class ProgressBar:
 
     @staticmethod
     def postfix(record: SyncRecord) -> str:
-        """The text shown after the bar for ``record``."""
-        parts = [f"{name} {base:.4g}" for name, base in record.bases.items()]
+        """The text shown after the bar for ``record``: ``"lr 0.00175, lr factor 17.51, best
+        0.3124, stretch"`` under autolr."""
+        parts = [summary] if (summary := record.summary()) else []
         finite = [s for s in record.scores if math.isfinite(s)]
         if finite and record.searched is False:  # the training loss: the search is not acting
             parts.append(f"train loss {sum(finite) / len(finite):.4g}")

@@ -35,7 +35,7 @@ from hpx.knobs.optim import LearningRateScale
 from hpx.registry import Knobs
 from hpx.schedule._shadow import read_schedule
 from hpx.search.stretch import Stretch
-from hpx.signals import LossFn, ProbeStream, SharedBatch
+from hpx.signals import LossFn, ProbeStream, SharedBatch, _one_batch_problems
 
 __all__ = ["autolr"]
 
@@ -84,7 +84,8 @@ def autolr(
             ``None``: constant.
             Build ``optimizer`` with the *peak* learning rates.
         probe: held-out batches to score replicas on (cycled, up to 4 per sync; a list of a few
-            batches of a validation split is enough). ``None``: each sync step's training batch.
+            batches of a validation split is enough): an iterable of batches, so one batch is
+            given as ``probe=[(x_val, y_val)]``. ``None``: each sync step's training batch.
         loss_fn: ``loss_fn(replica, batch)`` for scoring; default: the loss given to
             :meth:`Engine.step <hpx.Engine.step>`. Give one without regularisers.
         knobs: more knobs to spread (they do not move unless given a spread).
@@ -109,6 +110,8 @@ def autolr(
                         "(use hpx.Engine(..., search=hpx.search.HDET(...)) for that controller)")
     if probe is not None and not isinstance(probe, Iterable):
         problems.append(f"probe must be an iterable of batches or None (got {type(probe).__name__})")
+    elif probe is not None:
+        problems += _one_batch_problems(probe, "probe", "probe=[{batch}]")
     if schedule is not None and not callable(schedule) and not isinstance(schedule, LRScheduler):
         problems.append(f"schedule must be a function step -> factor, a torch LRScheduler or None "
                         f"(got {type(schedule).__name__})")

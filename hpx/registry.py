@@ -10,6 +10,8 @@ import torch
 from hpx._seed import derive_seed
 from hpx.errors import ConfigError
 from hpx.knobs.base import Knob
+from hpx.knobs.optim import LearningRateScale
+from hpx.sync_record import SyncRecord
 
 __all__ = ["Knobs"]
 
@@ -74,6 +76,19 @@ class Knobs:
     @property
     def names(self) -> list[str]:
         return [k.name for k in self._knobs]
+
+    def label_lr(self, record: SyncRecord) -> None:
+        """Fill ``record.lr`` (the learning rate each replica's optimizer used) and
+        ``record.lr_factor`` from ``record.applied`` when a :class:`~hpx.LearningRateScale`
+        knob sets the learning rates (its values are factors on them); leave them ``None``
+        otherwise. The engine calls it on every record before it is kept or shown."""
+        applied = record.applied or {}
+        for k in self._knobs:
+            if isinstance(k, LearningRateScale) and k.name in applied:
+                lrs = [lr for f in applied[k.name] if (lr := k.learning_rate(f)) is not None]
+                if len(lrs) == len(applied[k.name]):  # else not bound
+                    record.lr, record.lr_factor = lrs, k.name
+                return
 
     def draw_slots(self, n: int) -> torch.Tensor:
         """Draw the next permutations: an int64 tensor ``[K, n]`` whose row ``k``

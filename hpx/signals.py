@@ -14,7 +14,7 @@ example, scoring an average of each replica's recent weights) by implementing it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -166,6 +166,30 @@ def _loss_fn_problems(who: str, loss_fn: Any) -> list[str]:
     return []
 
 
+def _one_batch_problems(data: Any, who: str, fix: str) -> list[str]:
+    """A problem if ``data``, which should be an iterable of batches, is one batch: a dict, or
+    a tuple or list of tensors with as many rows each but of different dtypes or dimensions
+    (``(x, y)``), which iterated would give ``x`` and then ``y`` as batches and fail inside the
+    loss with a shape or dtype error. ``fix`` shows the call that wraps it in a list, with
+    ``{batch}`` where the batch goes."""
+    if isinstance(data, Mapping):
+        keys = ", ".join(repr(k) for k in list(data)[:4]) + (", ..." if len(data) > 4 else "")
+        return [f"{who} is an iterable of batches, but it is a dict (keys {keys}), which iterated "
+                f"gives its keys: if it is one batch, wrap it in a list: {fix.format(batch='val_batch')}"]
+    if not isinstance(data, (tuple, list)) or len(data) < 2:
+        return []
+    if not all(torch.is_tensor(t) and t.dim() >= 1 for t in data) or len({t.shape[0] for t in data}) != 1:
+        return []
+    if len({t.dtype for t in data}) == 1 and len({t.dim() for t in data}) == 1:
+        return []  # a list of batches that are plain tensors (token ids, say)
+    kind = "tuple" if isinstance(data, tuple) else "list"
+    shapes = ", ".join(f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}" for t in data)
+    names = ", ".join(f"{v}_val" for v in "xyzw"[: len(data)]) if len(data) <= 4 else "x_val, ..."
+    return [f"{who} is an iterable of batches, but it looks like one batch: a {kind} of {len(data)} tensors "
+            f"with {data[0].shape[0]} rows each ({shapes}); iterated, it would give each tensor as a batch. "
+            f"Wrap it in a list: {fix.format(batch=f'({names})')}"]
+
+
 def _nonfinite_problems(batch: Any, what: str) -> list[str]:
     """A problem if a floating tensor in ``batch`` holds NaN or inf (a held-out batch with
     NaN would score every replica NaN, which looks like every replica blowing up)."""
@@ -215,6 +239,8 @@ class ProbeStream:
             problems.append(f"ProbeStream data must be iterable (got {type(data).__name__})")
         elif isinstance(data, Sized) and len(data) == 0:
             problems.append("ProbeStream data is empty: give it at least one batch of held-out data")
+        else:
+            problems += _one_batch_problems(data, "ProbeStream data", "ProbeStream([{batch}])")
         if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
             problems.append(f"ProbeStream batches must be an integer >= 1 (got {batches!r})")
         problems += _loss_fn_problems("ProbeStream", loss_fn)

@@ -28,8 +28,9 @@ class SyncRecord:
         spreads: every knob's spread during the interval that ended (``alpha``;
             ``log(span)`` for a geometric spread).
         applied: every knob's value as applied on each replica at the interval's last
-            step (``values`` times the knob's schedule factor: the learning rate the
-            optimizer used, not its correction factor).
+            step (``values`` times the knob's schedule factor: for a
+            :class:`~hpx.LearningRate` knob, the learning rate the optimizer used; for a
+            :class:`~hpx.LearningRateScale`, still a factor: see ``lr``).
         wall: seconds since the engine was built.
         metrics: what was passed to :meth:`Engine.log <hpx.Engine.log>` since the last
             sync (the latest value of each name).
@@ -38,6 +39,14 @@ class SyncRecord:
         searched: whether ``scores`` are the signal's, read by the search (``False``: the
             replicas' training loss over the interval, recorded while the search does not act,
             a different quantity; ``None`` in histories written before this field).
+        lr: when a :class:`~hpx.LearningRateScale` knob sets the learning rates (autolr's
+            ``"lr"``, whose base, values and applied values are factors on the lr the optimizer
+            was built with): the learning rate the optimizer used on each replica at the
+            interval's last step, in its first parameter group with a nonzero lr (like
+            ``applied``, it is the interval's; ``bases`` are after the sync). ``None``
+            without such a knob, and in histories written before this field.
+        lr_factor: the name of that knob, shown as ``"<name> factor"`` (:meth:`label`), or
+            ``None``.
     """
 
     step: int
@@ -55,3 +64,18 @@ class SyncRecord:
     metrics: dict[str, float] | None = None
     points: list[float] | None = None
     searched: bool | None = None
+    lr: list[float] | None = None
+    lr_factor: str | None = None
+
+    def label(self, name: str) -> str:
+        """How knob ``name`` is shown: ``"lr factor"`` for a factor on the learning rates
+        (``lr_factor``), else its name."""
+        return f"{name} factor" if name == self.lr_factor else name
+
+    def summary(self) -> str:
+        """The learning rate the optimizer used (mean over the replicas, when ``lr`` is known)
+        and every knob's base, as ``"lr 0.00175, lr factor 17.51"``: the text of the sync's
+        INFO log line and the start of :class:`~hpx.ProgressBar`'s."""
+        parts = [f"lr {sum(self.lr) / len(self.lr):.4g}"] if self.lr else []
+        parts += [f"{self.label(name)} {base:.4g}" for name, base in self.bases.items()]
+        return ", ".join(parts)

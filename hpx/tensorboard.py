@@ -16,13 +16,17 @@ class TensorBoard:
     """Write every sync record to TensorBoard (an ``on_sync`` callback of :class:`~hpx.Engine`).
 
     Scalars, at the sync's step: ``hpx/base/<knob>`` (the base ``b``), ``hpx/applied/<knob>``
-    (the value the optimizer used, mean over the replicas, with ``.../min`` and ``.../max``),
+    (the value the optimizer used, mean over the replicas, with ``.../min`` and ``.../max``);
+    for a knob that is a factor on the learning rates (:func:`~hpx.autolr`'s ``"lr"``,
+    a :class:`~hpx.LearningRateScale`), ``hpx/base/lr_factor`` and ``hpx/applied/lr_factor``,
+    and ``hpx/applied/lr`` is the learning rate the optimizer used (the record's ``lr``);
     ``hpx/score/best`` and ``hpx/score/mean`` (finite replicas), ``hpx/nonfinite`` (replicas
     left out) and ``metrics/<name>`` for what was given to :meth:`Engine.log <hpx.Engine.log>`.
 
     Args:
         writer: a ``torch.utils.tensorboard.SummaryWriter``, or a directory to create one
-            in (needs the ``tensorboard`` package: ``pip install tensorboard``).
+            in (needs the ``tensorboard`` package: ``pip install "hpx-hdet[tensorboard]"``;
+            without it an ``ImportError`` says so).
         rank0_only: under torch.distributed, write on rank 0 only (every rank holds the
             same records).
     """
@@ -32,8 +36,9 @@ class TensorBoard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
-                raise ConfigError([f"hpx.TensorBoard({str(writer)!r}) needs the tensorboard package: "
-                                   "pip install tensorboard (or pass a SummaryWriter)"]) from exc
+                raise ImportError(f"hpx.TensorBoard({str(writer)!r}) writes with the tensorboard package: "
+                                  'pip install "hpx-hdet[tensorboard]" (or pip install tensorboard), '
+                                  "or pass a SummaryWriter") from exc
             writer = SummaryWriter(str(writer))
         elif not callable(getattr(writer, "add_scalar", None)):
             raise ConfigError([f"TensorBoard takes a directory or a SummaryWriter (got {writer!r})"])
@@ -45,8 +50,11 @@ class TensorBoard:
             return
         w, t = self.writer, rec.step
         for name, b in rec.bases.items():
-            w.add_scalar(f"hpx/base/{name}", b, t)
-        for name, vals in (rec.applied or {}).items():
+            w.add_scalar(f"hpx/base/{_tag(rec, name)}", b, t)
+        applied = {_tag(rec, name): vals for name, vals in (rec.applied or {}).items()}
+        if rec.lr:  # the learning rate the optimizer used, where the knob is a factor on it
+            applied["lr"] = rec.lr
+        for name, vals in applied.items():
             w.add_scalar(f"hpx/applied/{name}", sum(vals) / len(vals), t)
             w.add_scalar(f"hpx/applied/{name}/min", min(vals), t)
             w.add_scalar(f"hpx/applied/{name}/max", max(vals), t)
@@ -63,6 +71,11 @@ class TensorBoard:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def _tag(rec: SyncRecord, name: str) -> str:
+    """Knob ``name``'s part of a tag: ``lr_factor`` for a factor on the learning rates."""
+    return rec.label(name).replace(" ", "_")
 
 
 def _rank() -> int:

@@ -86,6 +86,15 @@ def test_version(capsys):
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"hpx {hpx.__version__}"
 
 
+def test_help_is_plain_text(capsys):
+    """``hpx --help`` is read in a terminal: no reStructuredText markup from the docstrings."""
+    for argv in (["--help"], ["report", "--help"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        out = capsys.readouterr().out
+        assert exit_.value.code == 0 and "``" not in out and ":func:" not in out and "hpx.save_history" in out
+
+
 def test_demo_raises_a_low_lr(tmp_path):
     """The README's demo, shortened: it runs, the lr rises from its low start, and it reports
     hpx's and plain training's test metrics."""

@@ -80,6 +80,18 @@ def test_tensorboard_writes_the_trajectories(digits, tmp_path):
         hpx.TensorBoard(42)
 
 
+def test_a_missing_tensorboard_is_an_import_error_with_the_install_hint(monkeypatch, tmp_path):
+    """Like the other extras (tqdm, matplotlib, Lightning, transformers): ImportError, and how to
+    install it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # the import fails
+    with pytest.raises(ImportError, match=r'pip install "hpx-hdet\[tensorboard\]" \(or pip install '
+                                          r"tensorboard\)") as e:
+        hpx.TensorBoard(tmp_path / "tb")
+    assert not isinstance(e.value, hpx.ConfigError) and not (tmp_path / "tb").exists()
+
+
 def test_plot_axes():
     assert _log_scale([0.01, 0.1, 1.0])            # positive, wide: log
     assert not _log_scale([0.0, 0.1, 0.2])         # a replica at 0 would vanish from a log axis

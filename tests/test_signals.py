@@ -196,3 +196,25 @@ def test_resume_keeps_the_probe_streams_position(digits):
     for b in data[5:]:
         resumed.step(ce, b)
     assert [r.scores for r in resumed.history] == [r.scores for r in full.history]
+
+
+def test_one_batch_given_as_the_probe_is_named_with_the_fix(digits):
+    """``probe=(x, y)`` is one batch, not a list of them: iterated, it would give ``x`` and
+    then ``y`` as batches and fail inside torch with a dtype error; it is refused up front."""
+    x, y = digits
+    one = (x[:32], y[:32])
+    for given in (one, list(one), {"input": x[:32], "target": y[:32]}):
+        with pytest.raises(hpx.ConfigError, match=r"iterable of batches.*probe=\["):
+            model = mlp()
+            hpx.autolr(model, sgd()(model), total_steps=10, probe=given, loss_fn=ce)
+        with pytest.raises(hpx.ConfigError, match=r"ProbeStream data .*one batch"):
+            hpx.ProbeStream(given)
+    with pytest.raises(hpx.ConfigError, match=r"a tuple of 2 tensors with 32 rows each \(float32 \[32, 64\], "
+                                              r"int64 \[32\]\).*probe=\[\(x_val, y_val\)\]"):
+        model = mlp()
+        hpx.autolr(model, sgd()(model), total_steps=10, probe=one)
+    # lists of batches stay valid, batches of plain tensors too (token ids of one shape)
+    hpx.ProbeStream([one, one])
+    hpx.ProbeStream([one])
+    hpx.ProbeStream([torch.zeros(4, 16, dtype=torch.long), torch.ones(4, 16, dtype=torch.long)])
+    hpx.ProbeStream([torch.zeros(4, 16, dtype=torch.long), torch.ones(4, 12, dtype=torch.long)])

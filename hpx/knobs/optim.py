@@ -186,6 +186,7 @@ class LearningRateScale(Knob):
                          span=span)
         self.schedule = _checked_schedule(name, schedule)
         self.lrs = None if lrs is None else [float(x) for x in lrs]
+        self._shown: float | None = None  # the lr the factor multiplies in the records (bind)
 
     scale = _scheduled_scale
     scheduled = property(_is_scheduled)
@@ -207,8 +208,14 @@ class LearningRateScale(Knob):
         if not any(lr > 0 for lr in lrs):
             raise ConfigError([f"knob {self.name!r} scales the optimizer's learning rates, but every "
                                f"group's lr is 0 ({lrs}): build the optimizer with the lr you would use"])
+        self._shown = next(lr for lr in lrs if lr > 0)
 
         return _GroupSetter(opt, list(enumerate(lrs)), "lr", self.name)
+
+    def learning_rate(self, factor: float) -> float | None:
+        """The learning rate that ``factor`` (a value of this knob times its schedule factor)
+        gives the first parameter group with a nonzero lr; ``None`` before the knob is bound."""
+        return None if self._shown is None else self._shown * factor
 
 
 class _GroupSetter:
