@@ -94,10 +94,10 @@ class _Syncing:
         rec.weights, rec.sigma, rec.direction = info.get("weights"), info.get("sigma"), info.get("direction")
         rec.phase = info.get("phase")
         rec.bases = {k.name: k.base for k in self.knobs}
+        self.knobs.label_lr(rec)
         self._keep(rec)
         if log.isEnabledFor(logging.INFO):
-            log.info("sync at step %d: %s", self.step_count,
-                     ", ".join(f"{n}={b:.4g}" for n, b in rec.bases.items()))
+            log.info("sync at step %d: %s", self.step_count, rec.summary())
         for callback in self._on_sync:
             callback(rec)
 

@@ -150,9 +150,6 @@ def test_tensorboard_writes_the_lr_and_the_factor(run, tmp_path):
         [r.bases["lr"] for r in hist], rel=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason="needs two one-line changes in hpx/engine.py's _sync: "
-                   "self.knobs.label_lr(rec) before self._keep(rec), and the INFO line logging "
-                   "rec.summary(); remove this mark when they are made")
 def test_the_engine_labels_its_records_and_logs_the_lr(digits, caplog):
     with caplog.at_level(logging.INFO, logger="hpx"):
         engine, used = _run(digits)
