@@ -32,13 +32,10 @@ Under ``torchrun --max-restarts``, restarted gloo workers re-initialise reliably
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import random
-import re
-import shutil
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -46,6 +43,18 @@ from typing import Any
 
 import torch
 
+from hpx._files import (
+    _SHARDS,
+    _STEP_DIR,
+    _complete_for_all,
+    _complete_steps,
+    _digest,
+    _fsync_dir,
+    _intact,
+    _prune,
+    _sidecar,
+    _write_atomic,
+)
 from hpx.engine import Engine
 from hpx.errors import ConfigError
 
@@ -53,7 +62,6 @@ __all__ = ["load_checkpoint", "save_checkpoint"]
 
 log = logging.getLogger("hpx")
 
-_STEP_DIR = re.compile(r"^step-(\d{9,})$")
 _FORMAT = 1
 _CANDIDATES = 32  # newest complete steps each rank offers when the ranks agree on one
 
@@ -265,7 +273,6 @@ def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
     return step
 
 
-_SHARDS = "sharded"
 
 
 def _sharded(engine: Engine) -> bool:
@@ -448,39 +455,6 @@ def _newest_for_all(root: Path, engine: Engine, also: Callable[[Path], bool] | N
         excluded.add(step)
 
 
-def _sidecar_info(path: Path) -> dict[str, Any]:
-    try:
-        info = json.loads(_sidecar(path).read_text())
-    except (OSError, ValueError):
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
-def _intact(path: Path, step: int) -> bool:
-    ok = _digest(path) == _sidecar_info(path).get("sha256")
-    if not ok:
-        log.warning("checkpoint %s does not match its digest (damaged after it was written): skipping "
-                    "step %d", path, step)
-    return ok
-
-
-def _complete_for_all(root: Path) -> list[int]:
-    """Steps (newest first) whose rank files 0..k-1 are all complete, for some k >= 1."""
-    if not root.is_dir():
-        return []
-    steps = []
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
-        if not m:
-            continue
-        ranks = sorted(int(p.name[5:10]) for p in d.glob("rank-*.pt") if _sidecar(p).is_file())
-        world = _sidecar_info(d / "rank-00000.pt").get("world_size")
-        if ranks and ranks == list(range(world if isinstance(world, int) else -1)):
-            steps.append(int(m.group(1)))
-    return sorted(steps, reverse=True)
-
-
-
 def _extra_problems(extra: Any) -> list[str]:
     if extra is None:
         return []
@@ -493,57 +467,6 @@ def _extra_problems(extra: Any) -> list[str]:
 
 def _stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _sidecar(path: Path) -> Path:
-    return path.with_name(path.name + ".sha256")
-
-
-def _digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the renames in ``folder`` durable (where the platform allows it)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _complete_steps(root: Path, rank: int) -> list[int]:
-    """Steps (newest first) for which this rank's payload and digest both exist."""
-    if not root.is_dir():
-        return []
-    steps = []
-    for d in root.iterdir():
-        m = _STEP_DIR.match(d.name)
-        if m and _sidecar(d / f"rank-{rank:05d}.pt").is_file() and (d / f"rank-{rank:05d}.pt").is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps, reverse=True)
 
 
 def _agree(engine: Engine, steps: list[int]) -> int | None:
@@ -572,22 +495,6 @@ def _processes(engine: Engine) -> Any:
 def _device(engine: Engine) -> torch.device:
     """Where the engine's collectives run (NCCL gathers CUDA tensors only)."""
     return engine._acc.device
-
-
-def _prune(root: Path, rank: int, keep: int, saved: int) -> None:
-    """Delete this rank's files of all but the newest ``keep`` complete steps up to ``saved``
-    (steps after it are an earlier run's that went further: not this run's to prune; counting them
-    would delete the saves of a run that restarted fresh because those were damaged)."""
-    for step in [s for s in _complete_steps(root, rank) if s <= saved][keep:]:
-        folder = root / f"step-{step:09d}"
-        for f in (folder / f"rank-{rank:05d}.pt.sha256", folder / f"rank-{rank:05d}.pt"):
-            f.unlink(missing_ok=True)  # the digest first: a half-pruned step no longer counts
-        if (folder / _SHARDS).is_dir() and not any(folder.glob("rank-*.pt")):
-            shutil.rmtree(folder / _SHARDS, ignore_errors=True)  # the last process's prune
-        try:
-            folder.rmdir()  # the last rank to prune removes the folder
-        except OSError:
-            pass
 
 
 def _rng_state() -> dict[str, Any]:

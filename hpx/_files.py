@@ -1,0 +1,117 @@
+"""The checkpoint files on disk: step folders, atomic writes with a digest beside each file, which
+steps are complete, and pruning. :mod:`hpx.checkpoint` decides what goes into them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("hpx")
+
+_SHARDS = "sharded"  # a step folder's directory of sharded replicas' files
+_STEP_DIR = re.compile(r"^step-(\d{9,})$")
+
+
+def _sidecar_info(path: Path) -> dict[str, Any]:
+    try:
+        info = json.loads(_sidecar(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def _intact(path: Path, step: int) -> bool:
+    ok = _digest(path) == _sidecar_info(path).get("sha256")
+    if not ok:
+        log.warning("checkpoint %s does not match its digest (damaged after it was written): skipping "
+                    "step %d", path, step)
+    return ok
+
+
+def _complete_for_all(root: Path) -> list[int]:
+    """Steps (newest first) whose rank files 0..k-1 are all complete, for some k >= 1."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if not m:
+            continue
+        ranks = sorted(int(p.name[5:10]) for p in d.glob("rank-*.pt") if _sidecar(p).is_file())
+        world = _sidecar_info(d / "rank-00000.pt").get("world_size")
+        if ranks and ranks == list(range(world if isinstance(world, int) else -1)):
+            steps.append(int(m.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the renames in ``folder`` durable (where the platform allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _complete_steps(root: Path, rank: int) -> list[int]:
+    """Steps (newest first) for which this rank's payload and digest both exist."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if m and _sidecar(d / f"rank-{rank:05d}.pt").is_file() and (d / f"rank-{rank:05d}.pt").is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def _prune(root: Path, rank: int, keep: int, saved: int) -> None:
+    """Delete this rank's files of all but the newest ``keep`` complete steps up to ``saved``
+    (steps after it are an earlier run's that went further: not this run's to prune; counting them
+    would delete the saves of a run that restarted fresh because those were damaged)."""
+    for step in [s for s in _complete_steps(root, rank) if s <= saved][keep:]:
+        folder = root / f"step-{step:09d}"
+        for f in (folder / f"rank-{rank:05d}.pt.sha256", folder / f"rank-{rank:05d}.pt"):
+            f.unlink(missing_ok=True)  # the digest first: a half-pruned step no longer counts
+        if (folder / _SHARDS).is_dir() and not any(folder.glob("rank-*.pt")):
+            shutil.rmtree(folder / _SHARDS, ignore_errors=True)  # the last process's prune
+        try:
+            folder.rmdir()  # the last rank to prune removes the folder
+        except OSError:
+            pass
