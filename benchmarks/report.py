@@ -20,7 +20,7 @@ VARIANT_TEXT = {
     "no-average": "no averaging (average=False)",
     "no-controller": "no controller (controller=False)",
     "one-permutation": "one permutation for all knobs (independent=False)",
-    "paper": "paper-faithful (hpx.OneCyclePlan rule='paper': OneCycle, linear space, sigma 0.1, "
+    "paper": "paper-faithful (hpx.schedule.OneCyclePlan rule='paper': OneCycle, linear space, sigma 0.1, "
              "decay gamma, controller from the peak, interval loss; its base is the decayed lr)",
     "independent": "independent replicas (local-SGD mode)",
     "independent-no-controller": "independent replicas, no controller",

@@ -41,8 +41,6 @@ from hpx.registry import Knobs as Knobs
 from hpx.replica import Replica as Replica
 from hpx.schedule import ExploreLR as ExploreLR
 from hpx.schedule import OneCycleLR as OneCycleLR
-from hpx.schedule import OneCyclePlan as OneCyclePlan
-from hpx.schedule import explore_knobs as explore_knobs
 from hpx.signals import IntervalLoss as IntervalLoss
 from hpx.signals import ProbeStream as ProbeStream
 from hpx.signals import SharedBatch as SharedBatch

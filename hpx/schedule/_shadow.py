@@ -148,7 +148,7 @@ def explore_knobs(scheduler: LRScheduler, *, spread: float | Sequence[float] = 0
     param groups match the replicas' (for example replica 0's, or a template)::
 
         template = torch.optim.SGD(model.parameters(), lr=0.1)
-        knobs = hpx.explore_knobs(CosineAnnealingLR(template, T_max=2000), spread=0.2)
+        knobs = hpx.schedule.explore_knobs(CosineAnnealingLR(template, T_max=2000), spread=0.2)
         engine = hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), knobs, replicas=4)
     """
     problems = _scheduler_problems(scheduler)
