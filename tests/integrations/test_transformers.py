@@ -81,6 +81,20 @@ def test_training_loss_is_recorded_and_reported_through_the_trainers_logging(tmp
     assert [h["step"] for h in t.state.log_history if "hpx/lr_base" in h] == [r.step for r in e.history]
 
 
+def test_a_model_that_returns_no_loss_is_named_once(tmp_path, caplog):
+    import logging
+
+    import torch.nn.functional as F
+
+    auto = AutoLR(probe_loss, probe=probe())
+    t = trainer(tmp_path, 20, [auto], lr=3e-4)
+    t.compute_loss_func = lambda out, labels, num_items_in_batch=None: F.cross_entropy(out["logits"], labels)
+    with caplog.at_level(logging.WARNING, logger="hpx"):
+        t.train()
+    said = [r.getMessage() for r in caplog.records if "holds no loss" in r.getMessage()]
+    assert len(said) == 1 and "compute_loss_func" in said[0]
+
+
 def test_resume_from_a_checkpoint_path_in_another_output_dir_continues_exactly(tmp_path):
     import warnings
 
