@@ -66,7 +66,7 @@ class Report(pl.Callback):
         Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps({
             "bases": e.bases, "steps": [r.step for r in e.history], "step": e.step_count,
             "n_replicas": e.n_replicas, "schedulers": len(trainer.lr_scheduler_configs),
-            "lr": trainer.optimizers[0].param_groups[0]["lr"], "params": params[:50].tolist(),
+            "lr": trainer.optimizers[0].param_groups[0]["lr"], "params": params.tolist(),
             "phases": [r.phase for r in e.history],
         }))
 

@@ -19,8 +19,8 @@ from tests.integrations._lit import Digits, Report, loader, probe, probe_loss  #
 def _trainer(tmp_path, steps, devices=1, **kw):
     return pl.Trainer(accelerator="cpu", devices=devices, max_steps=steps,
                       logger=pl.loggers.CSVLogger(tmp_path), enable_progress_bar=False,
-                      enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-                      **kw)
+                      enable_model_summary=False, num_sanity_val_steps=0,
+                      **{"enable_checkpointing": False, **kw})
 
 
 def test_two_ddp_processes_explore_agree_and_log(tmp_path):
@@ -37,6 +37,10 @@ def test_two_ddp_processes_explore_agree_and_log(tmp_path):
     assert ranks[0]["bases"] == ranks[1]["bases"] and ranks[0]["steps"] == ranks[1]["steps"]
     assert ranks[0]["bases"]["lr"] != 1.0  # the search moved the learning rate
     assert ranks[0]["params"] == ranks[1]["params"]  # DDP replicas stay identical
+    # ddp_spawn trained copies of the callback: the parent's never ran; the values came back with
+    # the trainer's callback_metrics
+    assert auto.engine is None
+    assert float(trainer.callback_metrics["hpx/lr_base"]) == pytest.approx(ranks[0]["bases"]["lr"])
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     logged = [float(r["hpx/lr_base"]) for r in rows if r.get("hpx/lr_base")]
     assert len(logged) == len(ranks[0]["steps"]) and logged[-1] == pytest.approx(ranks[0]["bases"]["lr"])
@@ -53,6 +57,45 @@ def test_two_ddp_processes_explore_agree_and_log(tmp_path):
     for step, lr, base in checked:
         assert lr == pytest.approx(onecycle[step - 1] * before, rel=1e-6)
         before = base
+
+
+def test_two_processes_resume_mid_run_exactly_as_if_never_stopped(tmp_path):
+    # 1400 samples over 2 processes in batches of 32: 22 steps an epoch; saved after the first epoch's
+    # last step (saving in on_train_epoch_end instead makes Lightning replay a batch when it resumes)
+    steps = 44
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full.mkdir()
+    resumed.mkdir()
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=22, save_top_k=-1)
+    trainer = _trainer(full, steps, devices=2, strategy="ddp_spawn", enable_checkpointing=True,
+                       callbacks=[AutoLR(probe_loss, probe=probe(), seed=0), Report(str(full)), saver])
+    trainer.fit(Digits(lr=0.005, steps=steps), loader())
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=22.ckpt"
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    hpx_state = next(v for k, v in saved.items() if k.startswith("AutoLR"))
+    assert [s["first"] for s in hpx_state["ranks"]] == [0, 1]  # every rank's state, in rank order
+    trainer = _trainer(resumed, steps, devices=2, strategy="ddp_spawn",
+                       callbacks=[AutoLR(probe_loss, probe=probe(), seed=0), Report(str(resumed))])
+    trainer.fit(Digits(lr=0.005, steps=steps), loader(), ckpt_path=ckpt)
+    for r in range(2):
+        want = json.loads((full / f"rank{r}.json").read_text())
+        got = json.loads((resumed / f"rank{r}.json").read_text())
+        assert got["step"] == steps and 22 in want["steps"] and max(want["steps"]) > 22
+        assert got["bases"] == want["bases"] and got["steps"] == want["steps"]
+        assert got["phases"] == want["phases"] and got["lr"] == want["lr"]
+        assert got["params"] == want["params"]  # bit for bit: the resumed run is the same run
+    with pytest.raises(hpx.ConfigError, match=r"state of 2 process.*fit runs 1: resume with devices=2"):
+        _trainer(tmp_path, steps, callbacks=[AutoLR(probe_loss, probe=probe(), seed=0)]).fit(
+            Digits(lr=0.005, steps=steps), loader(), ckpt_path=ckpt)
+
+
+def test_ddp_spawn_refuses_a_loss_fn_it_cannot_pickle_naming_the_fix(tmp_path):
+    auto = AutoLR(lambda module, batch: probe_loss(module, batch), probe=probe())
+    trainer = _trainer(tmp_path, 4, devices=2, strategy="ddp_spawn", callbacks=[auto])
+    with pytest.raises(hpx.ConfigError) as e:
+        trainer.fit(Digits(lr=0.005, steps=4), loader())
+    msg = str(e.value)
+    assert "loss_fn cannot be pickled" in msg and "module's top level" in msg and "strategy='ddp'" in msg
 
 
 def test_one_process_explores_with_its_one_model_and_scales_the_modules_schedule(tmp_path):

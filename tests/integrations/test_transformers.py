@@ -48,6 +48,73 @@ def test_one_process_explores_with_its_one_model_and_scales_the_trainers_schedul
     assert logged[-1]["hpx/lr_base"] == pytest.approx(e.bases["lr"])
 
 
+class _Logs:
+    """What the Trainer's on_log hands every callback (what TensorBoard, W&B, ... write)."""
+
+    def __init__(self):
+        self.logs = []
+
+    def __getattr__(self, name):  # every other TrainerCallback event: nothing
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        self.logs.append((state.global_step, dict(logs)))
+
+
+def test_training_loss_is_recorded_and_reported_through_the_trainers_logging(tmp_path, caplog):
+    import logging
+
+    logs = _Logs()  # before AutoLR, as the Trainer puts its reporting integrations
+    auto = AutoLR(probe_loss, probe=probe())
+    t = trainer(tmp_path, 100, [logs, auto], lr=3e-4)
+    with caplog.at_level(logging.WARNING, logger="hpx"):
+        t.train()
+    e = auto.engine
+    late = [r for r in e.history if not r.searched]  # the last 10%: the training loss is the score
+    assert late and all(len(r.scores) == 1 and 0 < r.scores[0] < 5 for r in late)
+    assert not [r for r in caplog.records if "finite score" in r.getMessage()]  # no false NaN alarm
+    seen = [(step, entry) for step, entry in logs.logs if "hpx/lr_base" in entry]
+    assert [step for step, _ in seen] == [r.step for r in e.history]  # one log per sync, at its step
+    assert seen[-1][1]["hpx/lr_base"] == pytest.approx(e.bases["lr"]) and "hpx/lr" in seen[-1][1]
+    assert [h["step"] for h in t.state.log_history if "hpx/lr_base" in h] == [r.step for r in e.history]
+
+
+def test_a_model_that_returns_no_loss_is_named_once(tmp_path, caplog):
+    import logging
+
+    import torch.nn.functional as F
+
+    auto = AutoLR(probe_loss, probe=probe())
+    t = trainer(tmp_path, 20, [auto], lr=3e-4)
+    t.compute_loss_func = lambda out, labels, num_items_in_batch=None: F.cross_entropy(out["logits"], labels)
+    with caplog.at_level(logging.WARNING, logger="hpx"):
+        t.train()
+    said = [r.getMessage() for r in caplog.records if "holds no loss" in r.getMessage()]
+    assert len(said) == 1 and "compute_loss_func" in said[0]
+
+
+def test_resume_from_a_checkpoint_path_in_another_output_dir_continues_exactly(tmp_path):
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = AutoLR(probe_loss, probe=probe())
+        t1 = trainer(tmp_path / "a", 20, [first], save_strategy="steps", save_steps=10)
+        t1.train()
+        again = AutoLR(probe_loss, probe=probe())
+        t2 = trainer(tmp_path / "b", 20, [again], save_strategy="steps", save_steps=10)
+        t2.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-10"))
+    assert again.engine.step_count == 20 and again.engine.bases == first.engine.bases
+    assert [r.step for r in again.engine.history] == [r.step for r in first.engine.history]
+    for p, q in zip(t1.model.parameters(), t2.model.parameters()):
+        assert torch.equal(p, q)  # the resumed run is the same run
+    assert (tmp_path / "b" / "checkpoint-20" / "hpx_rank0.pt").exists()
+
+
 def test_checkpoint_resume_continues_hpxs_state(tmp_path):
     import warnings
 
