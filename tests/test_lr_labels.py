@@ -14,6 +14,7 @@ import torch
 
 import hpx
 from hpx.cli import main
+from tests._board import written
 from tests._digits import ce, data, mlp
 
 LR = 0.003  # the optimizer's lr: the factor the search finds multiplies it
@@ -132,16 +133,8 @@ def test_plot_shows_the_lr_and_labels_the_factor(run, tmp_path, monkeypatch):
 
 
 def test_tensorboard_writes_the_lr_and_the_factor(run, tmp_path):
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
     _, used, hist = run
-    board = hpx.TensorBoard(tmp_path / "tb")
-    for r in hist:
-        board(r)
-    board.close()
-    acc = EventAccumulator(str(tmp_path / "tb"))
-    acc.Reload()
+    acc = written(hist, tmp_path / "tb")
     tags = acc.Tags()["scalars"]
     assert "hpx/base/lr" not in tags and "hpx/applied/lr_factor" in tags
     assert [e.value for e in acc.Scalars("hpx/applied/lr")] == pytest.approx(

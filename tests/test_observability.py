@@ -12,6 +12,7 @@ from torch import nn
 
 import hpx
 from hpx.history import _log_scale, _score_series
+from tests._board import written
 from tests._digits import ce, data, mlp
 
 T = 4
@@ -120,15 +121,7 @@ def test_records_say_whether_the_search_read_their_scores_and_the_plot_keeps_the
     hold = next(r for r in hist if not r.searched)
     assert "train loss" in hpx.ProgressBar.postfix(hold) and "best" not in hpx.ProgressBar.postfix(hold)
     assert "best" in hpx.ProgressBar.postfix(hist[0])
-    pytest.importorskip("tensorboard")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    board = hpx.TensorBoard(tmp_path / "tb")
-    for r in hist:
-        board(r)
-    board.close()
-    acc = EventAccumulator(str(tmp_path / "tb"))
-    acc.Reload()
+    acc = written(hist, tmp_path / "tb")
     assert [e.step for e in acc.Scalars("hpx/score/best")] == [r.step for r in hist if r.searched]
     assert [e.step for e in acc.Scalars("hpx/train_loss")] == [r.step for r in hist if not r.searched]
 
