@@ -8,8 +8,10 @@ Nothing has to be tuned:
 * the :class:`~hpx.search.Stretch` strategy: the model trains at the base value; at 40 syncs
   in the first 40% of the run it is scored at 4 points of the run's whole displacement (from the
   parameters it started from) shrunk and stretched by ``1/span .. span`` (one after the other,
-  or spread over the processes under torch.distributed), and the base moves to
-  the best-scoring scale (in the first 10% of the run only down); until 90% of the run the
+  or spread over the processes under torch.distributed), and the base moves toward
+  the best-scoring scale, by what that scale exceeds a dead zone of 0.2 in ``log rho`` (a
+  reading's level at a good learning rate varies from task to task; in the first 10% of the run
+  only down); until 90% of the run the
   syncs go on and act only on shrinks (a learning rate that became too high, or overfitting);
   then the run continues as plain data-parallel training at the value found;
 * points scored on held-out batches you give (``probe``), or else on the sync step's own

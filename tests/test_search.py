@@ -358,7 +358,7 @@ def test_stretch_trains_at_the_base_and_places_replicas_geometrically():
 
 @pytest.mark.parametrize("better", ["shrunk", "stretched"])
 def test_stretch_moves_by_the_fitted_scale_and_lands_on_the_shrunk_point_only(better):
-    s = Stretch(1000, span=1.5, burn_in=0.0)
+    s = Stretch(1000, span=1.5, burn_in=0.0, dead_zone=0.0)
     rho = s.start(start_view()).placement
     z = rho.log()
     target = -0.2 if better == "shrunk" else 0.25  # scores: a parabola in log rho, minimum at target
@@ -367,6 +367,21 @@ def test_stretch_moves_by_the_fitted_scale_and_lands_on_the_shrunk_point_only(be
     assert d.merge is None  # the consensus goes to a point on the line
     assert d.land == pytest.approx(math.exp(target) if better == "shrunk" else 1.0, rel=0.01)
     assert torch.equal(d.placement, rho)
+
+
+@pytest.mark.parametrize("target", [-0.35, -0.15, 0.1, 0.3])
+def test_stretch_moves_only_by_what_the_reading_exceeds_its_dead_zone(target):
+    s = Stretch(1000, span=1.5, burn_in=0.0)  # the default dead zone, 0.2 in log rho
+    assert s.dead_zone == 0.2
+    rho = s.start(start_view()).placement
+    z = rho.log()
+    d = s.decide(view((z - target).pow(2).tolist(), bases=(2.0,), placement=rho))
+    excess = math.copysign(max(abs(target) - 0.2, 0.0), target)
+    assert d.bases.item() == pytest.approx(2.0 * math.exp(excess), rel=0.01)
+    assert d.land == pytest.approx(math.exp(min(excess, 0.0)), rel=0.01)
+    assert d.info["rho"] == pytest.approx(math.exp(target), rel=0.01)  # the reading, as fitted
+    with pytest.raises(hpx.ConfigError, match="dead_zone must be a number >= 0"):
+        Stretch(1000, dead_zone=-0.1)
 
 
 def test_stretch_burn_in_takes_only_shrinks():

@@ -49,32 +49,20 @@ def _autolr(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                       loss_fn=lambda rep, b: task.loss(rep.model, b), seed=seed)
 
 
-class _DeadZoneStretch(Stretch):
-    """Experiment: Stretch that moves only by what its fitted ``log rho*`` exceeds ``tau`` by
-    (a preference smaller than the estimator's bias is not acted on)."""
-
-    def __init__(self, *a: Any, tau: float, **kw: Any) -> None:
-        super().__init__(*a, **kw)
-        self.tau = tau
-
-    def _fit(self, z: torch.Tensor, scores: torch.Tensor) -> float | None:
-        best = super()._fit(z, scores)
-        if best is None:
-            return None
-        return math.copysign(max(abs(best) - self.tau, 0.0), best)
-
-
 def _dead_zone(tau: float) -> Callable[..., hpx.Engine]:
     def build(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int,
               seed: int) -> hpx.Engine:
         engine = _autolr(task, model, opt, sched, steps, seed)
-        engine.search = _DeadZoneStretch(steps, tau=tau)  # the same settings as the one it replaces
+        engine.search = Stretch(steps, dead_zone=tau)  # the same settings as the one it replaces
         return engine
     return build
 
 
 # A method: f(task, model, optimizer, scheduler, steps, seed) -> an hpx.Engine to step.
-METHODS: dict[str, Callable[..., hpx.Engine]] = {"autolr": _autolr, "deadzone-0.2": _dead_zone(0.2)}
+# "autolr" is the library's default (Stretch with dead_zone=0.2); "deadzone-<tau>" the same with
+# another dead zone ("deadzone-0" is the search without one, as it was before)
+METHODS: dict[str, Callable[..., hpx.Engine]] = {"autolr": _autolr, **{
+    f"deadzone-{tau:g}": _dead_zone(tau) for tau in (0.0, 0.1, 0.2, 0.3)}}
 
 
 def _with_steps(task: Task, steps: int | None) -> Task:

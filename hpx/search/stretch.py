@@ -80,6 +80,11 @@ class Stretch:
             multiplicative knob that explores). Other knobs keep their spreads and bases.
         points: multipliers scored per sync (at least 2): the smallest multiple of the
             replica count ``N`` that is ``>= points`` (``N`` itself when ``N >= points``).
+        dead_zone: a fitted ``|log rho*|`` up to this moves nothing, and a larger one moves the
+            base by the excess only: the fitted best scale is a biased reading whose level at a
+            good learning rate differs from task to task (its median there ranges 0.83-1.08 on
+            the learning-rate suite's design tasks), so a small preference is not acted on.
+            ``0``: every reading moves the base.
 
     Symbols: ``rho_p`` is point ``p``'s multiplier of the displacement (``Decision.placement``),
     ``a`` the run's starting parameters, ``theta`` the consensus.
@@ -97,6 +102,7 @@ class Stretch:
         hold_syncs: int = 10,
         knob: str | None = None,
         points: int = 4,
+        dead_zone: float = 0.2,
     ) -> None:
         problems = []
         if not is_int(total_steps) or total_steps < 1:
@@ -117,6 +123,9 @@ class Stretch:
             problems.append(f"hold_syncs must be an integer >= 1 (got {hold_syncs!r})")
         if knob is not None and not isinstance(knob, str):
             problems.append(f"knob must be a knob's name or None (got {knob!r})")
+        if not is_real(dead_zone) or not 0 <= dead_zone < math.inf:
+            problems.append(f"dead_zone must be a number >= 0 (got {dead_zone!r}): the |log rho*| that "
+                            "moves nothing")
         if not is_int(points) or points < 2:
             problems.append(f"points must be an integer >= 2 (got {points!r}): the multipliers scored "
                             "per sync (a parabola needs 3; 2 give a line)")
@@ -124,6 +133,7 @@ class Stretch:
         self.total_steps, self.until, self.syncs = int(total_steps), float(until), int(syncs)
         self.span, self.burn_in = float(span), float(burn_in)
         self.hold_syncs, self.knob, self.points = int(hold_syncs), knob, int(points)
+        self.dead_zone = float(dead_zone)
         self.end = max(1, round(self.until * self.total_steps))  # the window's last step
         self.every = max(1, self.end // self.syncs)
         self.burn_steps = self.burn_in * self.total_steps
@@ -159,7 +169,9 @@ class Stretch:
         best = None if view.placement is None else self._fit(view.placement.log(), view.scores)
         burn = view.step <= self.burn_steps
         guard = view.step > self.end
-        move = 0.0 if best is None else (min(best, 0.0) if burn or guard else best)
+        # outside the dead zone, the excess moves the base
+        zoned = None if best is None else math.copysign(max(abs(best) - self.dead_zone, 0.0), best)
+        move = 0.0 if zoned is None else (min(zoned, 0.0) if burn or guard else zoned)
         self.moves.append(move)
         bases = view.bases.clone()
         bases[i] = float(bases[i]) * math.exp(move)
@@ -185,7 +197,7 @@ class Stretch:
     def __repr__(self) -> str:
         return (f"Stretch(total_steps={self.total_steps}, until={self.until:g}, syncs={self.syncs}, "
                 f"span={self.span:g}, burn_in={self.burn_in:g}, guard_until={self.guard_until:g}, "
-                f"points={self.points})")
+                f"points={self.points}, dead_zone={self.dead_zone:g})")
 
     # --- helpers ---------------------------------------------------------------------------
 
