@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BEFORE = "0abad49"
+BEFORE = "9a4493c"
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("_identity_run.py")
 
