@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from torch.optim import lr_scheduler as tls
+from torch.optim.swa_utils import SWALR
 
 import hpx
 
@@ -386,6 +387,7 @@ WRAPPED: dict[str, Make] = {
                                                base_momentum=[1, 5], max_momentum=[5, 12], mode="exp_range",
                                                gamma=0.9),
     "onecycle": lambda o: tls.OneCycleLR(o, max_lr=25, total_steps=30, base_momentum=1, max_momentum=22),
+    "swa": lambda o: SWALR(o, anneal_epochs=5, anneal_strategy="linear", swa_lr=[0.01, 0.02]),
 }
 
 
