@@ -160,11 +160,12 @@ def _schedule_problems(
     if not (isinstance(anneal_strategy, str) and anneal_strategy in _ANNEAL_STRATEGIES):
         problems.append(f"anneal_strategy must be 'cos' or 'linear' (got {anneal_strategy!r})")
     _check_bool(problems, "cycle_momentum", cycle_momentum)
-    # Like torch, the momentum bounds are ignored (not even checked) when momentum is not cycled.
+    # Like torch, the momentum bounds are ignored (not even checked) when momentum is not cycled,
+    # and any finite numbers are accepted (torch's own tests cycle momentum from 1 to 22);
     # base_momentum > max_momentum is allowed, as in torch: the momentum cycle is then inverted.
     if cycle_momentum is True:
         for name, value in (("base_momentum", base_momentum), ("max_momentum", max_momentum)):
-            _check_per_group(problems, name, value, n_groups, "in [0, 1]", lambda v: 0 <= v <= 1)
+            _check_per_group(problems, name, value, n_groups, "a finite number", lambda v: True)
     _check_number(problems, "div_factor", div_factor, "a finite number > 0", lambda v: v > 0)
     _check_number(
         problems, "final_div_factor", final_div_factor, "a finite number > 0", lambda v: v > 0
@@ -196,6 +197,8 @@ class OneCycleShape:
     signature). ``max_lrs`` has one entry per param group; ``base_momentum`` and
     ``max_momentum`` are one float for all groups or a tuple with one per group. Every field
     is validated on construction, and all problems are reported in one :class:`ConfigError`.
+    ``initial_lrs`` and ``min_lrs`` (None: derived as below) give the anchors explicitly, as torch
+    reads them from the param groups when they were edited or built by another scheduler.
 
     Per group ``g``, three learning rates anchor the cycle::
 
@@ -236,6 +239,8 @@ class OneCycleShape:
     div_factor: float = 25.0
     final_div_factor: float = 1e4
     three_phase: bool = False
+    initial_lrs: tuple[float, ...] | None = None
+    min_lrs: tuple[float, ...] | None = None
     _phases: tuple[_Phase, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -262,6 +267,14 @@ class OneCycleShape:
             final_div_factor=self.final_div_factor,
             three_phase=self.three_phase,
         )
+        for name in ("initial_lrs", "min_lrs"):
+            value = getattr(self, name)
+            if value is not None:
+                if not (isinstance(value, (list, tuple)) and n_groups is not None and len(value) == n_groups):
+                    problems.append(f"{name} must be None or one number per param group (got {value!r})")
+                else:
+                    for i, item in enumerate(value):
+                        _check_number(problems, f"{name}[{i}]", item, "a finite number", lambda v: True)
         ConfigError.check(problems)
 
         # Normalise to plain Python numbers (and tuples, so the value stays hashable). Converting
@@ -275,6 +288,13 @@ class OneCycleShape:
         set_field(self, "max_momentum", _as_per_group(self.max_momentum))
         set_field(self, "div_factor", float(self.div_factor))
         set_field(self, "final_div_factor", float(self.final_div_factor))
+        # Anchors equal to the derived ones are dropped, so such shapes compare equal to plain ones.
+        initial = self.initial_lrs and tuple(float(v) for v in self.initial_lrs)
+        derived = tuple(m / self.div_factor for m in self.max_lrs)
+        set_field(self, "initial_lrs", initial if initial and initial != derived else None)
+        minimum = self.min_lrs and tuple(float(v) for v in self.min_lrs)
+        derived = tuple(self.initial_lr(g) / self.final_div_factor for g in range(self.n_groups))
+        set_field(self, "min_lrs", minimum if minimum and minimum != derived else None)
         set_field(self, "_phases", self._build_phases())
 
     def _build_phases(self) -> tuple[_Phase, ...]:
@@ -393,11 +413,17 @@ class OneCycleShape:
         return tuple(phase.end_step for phase in self._phases)
 
     def initial_lr(self, group: int) -> float:
-        """Where the cycle starts: ``max_lr / div_factor`` (torch's ``group['initial_lr']``)."""
+        """Where the cycle starts: ``max_lr / div_factor`` (torch's ``group['initial_lr']``), or
+        ``initial_lrs[group]`` when the anchors were given (read from the param groups)."""
+        if self.initial_lrs is not None:
+            return self.initial_lrs[self._group(group)]
         return self.max_lrs[self._group(group)] / self.div_factor
 
     def min_lr(self, group: int) -> float:
-        """Where the cycle ends: ``initial_lr / final_div_factor`` (``group['min_lr']``)."""
+        """Where the cycle ends: ``initial_lr / final_div_factor`` (``group['min_lr']``), or
+        ``min_lrs[group]`` when given."""
+        if self.min_lrs is not None:
+            return self.min_lrs[self._group(group)]
         return self.initial_lr(group) / self.final_div_factor
 
     def momentum_bounds(self, group: int) -> tuple[float, float] | None:

@@ -4,11 +4,13 @@ scheduler itself for one replica), and the checks of the HDET settings a schedul
 
 from __future__ import annotations
 
+import functools
 import warnings
+import weakref
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import EPOCH_DEPRECATION_WARNING, LRScheduler
 
 from hpx.backends.base import Collective
 from hpx.backends.local import InProcess
@@ -18,7 +20,7 @@ from hpx.errors import BackendError, ConfigError
 from hpx.knobs.base import Knob
 from hpx.registry import Knobs
 from hpx.replica import Replica
-from hpx.schedule._util import _any_positive, _lrs
+from hpx.schedule._util import _any_positive, _is_real, _lrs
 from hpx.signals import LossFn, Signal
 
 # Engine settings a scheduler sets itself (from its own keyword arguments or its rule).
@@ -56,6 +58,10 @@ class _Solo:
         t = self.step_count
         for k, setter in self._pairs:
             setter(k.base * k.scale(t))
+
+    def jump(self, step: float) -> None:
+        """Land on ``step`` at the next :meth:`advance` (torch's ``step(epoch)``); bases stay."""
+        self.step_count = step - 1
 
     def advance(self, loss: Any = None, batch: Any = None, loss_fn: LossFn | None = None) -> None:
         self.step_count += 1
@@ -98,6 +104,13 @@ class _Driven:
     @config.setter
     def config(self, value: EngineConfig) -> None:
         self.engine.config = value
+
+    def jump(self, step: float) -> None:
+        if step != self.engine.step_count + 1:
+            raise ValueError(
+                f"step({step!r}) asks for epoch {step!r} at step {self.engine.step_count}: a number given "
+                "to step() is torch's (deprecated) epoch, and with several replicas the schedule only moves "
+                "one step at a time; pass the loss as a tensor, sched.step(loss), or as sched.step(loss=...)")
 
     def advance(self, loss: Any = None, batch: Any = None, loss_fn: LossFn | None = None) -> None:
         if loss is not None:
@@ -161,26 +174,50 @@ class _Scheduler(LRScheduler):
             self._driver = _Solo(optimizer, Knobs(*knobs, seed=config.seed), config, start)
         self._get_lr_called_within_step = False
         self._is_initial = False
+        _track_optimizer_step(optimizer)
         self._step_count = 1
         self._last_lr = _lrs(self.optimizer)
 
     # --- torch's scheduler interface ------------------------------------------------------
 
-    def step(self, loss: torch.Tensor | float | None = None, *, batch: Any = None,  # type: ignore[override]
+    def step(self, epoch: torch.Tensor | float | None = None, *,  # type: ignore[override]
+             loss: torch.Tensor | float | None = None, batch: Any = None,
              loss_fn: LossFn | None = None) -> None:
-        """Advance one optimizer step: record ``loss``, sync every ``sync_every`` steps, and write
+        """Advance one optimizer step: record the loss, sync every ``sync_every`` steps, and write
         the next step's learning rates (and momenta) into the optimizer.
 
+        How the argument is read: a **tensor** (``sched.step(loss)``, hpx's form) or ``loss=`` (a
+        tensor or a number) is the step's training loss; a plain **number** given positionally is
+        torch's deprecated ``epoch`` (``sched.step(5)`` jumps the schedule to epoch 5, with torch's
+        deprecation warning), so loops written for torch keep torch's meaning. Pass a loss read back
+        to the host as ``sched.step(loss=value)``.
+
         Args:
+            epoch: the step's loss as a tensor, or torch's epoch as a number (see above).
             loss: this replica's training loss of the step just taken (a tensor stays on its
                 device: no host read). Needed when replicas are compared on their training loss
                 (the default signal) and the controller acts; otherwise ignored.
             batch, loss_fn: handed to a signal that scores replicas on a batch at the sync
                 (:class:`~hpx.SharedBatch`); ``loss_fn(replica, batch)``.
         """
-        self._before_step()
-        self._driver.advance(loss, batch, loss_fn)
+        if torch.is_tensor(epoch):
+            if loss is not None:
+                raise TypeError("step() got the loss twice (a tensor positionally and loss=); pass it once")
+            epoch, loss = None, epoch
+        elif epoch is not None and not _is_real(epoch):
+            raise TypeError(f"step() takes the loss as a tensor or loss=..., or torch's epoch as a number "
+                            f"(got {type(epoch).__name__}: {epoch!r})")
+        if self._step_count == 1:
+            _warn_like_torch(self.optimizer)
         self._step_count += 1
+        if epoch is not None:
+            warnings.warn(EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
+        try:
+            self._before_step(epoch)
+        except Exception:
+            self._refused_step(epoch)  # torch has counted the step before its get_lr raised
+            raise
+        self._driver.advance(loss, batch, loss_fn)
         self._after_step()
         self._last_lr = _lrs(self.optimizer)
 
@@ -189,7 +226,11 @@ class _Scheduler(LRScheduler):
         return self._last_lr
 
     def get_lr(self) -> list[float | torch.Tensor]:
-        """The learning rates of the current step (this replica's, spread included)."""
+        """The learning rates of the current step (this replica's, spread included). As in torch,
+        calling it yourself warns: :meth:`get_last_lr` is the one to read."""
+        if not self._get_lr_called_within_step:
+            warnings.warn("To get the last learning rate computed by the scheduler, please use "
+                          "`get_last_lr()`.", UserWarning, stacklevel=2)
         return _lrs(self.optimizer)
 
     # --- hpx --------------------------------------------------------------------------------
@@ -274,7 +315,10 @@ class _Scheduler(LRScheduler):
 
     _hdet: dict[str, Any]
 
-    def _before_step(self) -> None:
+    def _before_step(self, epoch: float | None) -> None:
+        raise NotImplementedError
+
+    def _refused_step(self, epoch: float | None) -> None:
         raise NotImplementedError
 
     def _after_step(self) -> None:
@@ -285,6 +329,44 @@ class _Scheduler(LRScheduler):
 
     def _load_own_state(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
+
+
+def _track_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` as torch's schedulers do, so that :func:`_warn_like_torch` can tell
+    whether it was called before the scheduler's first step (the wrapper sets ``_opt_called``)."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return  # a torch scheduler (or an earlier hpx one) has wrapped it already
+    opt_ref = weakref.ref(optimizer)
+    func = optimizer.step.__func__  # type: ignore[attr-defined]
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        opt = opt_ref()
+        opt._opt_called = True  # type: ignore[union-attr]
+        return func.__get__(opt, opt.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = wrapper  # type: ignore[method-assign]
+
+
+def _warn_like_torch(optimizer: torch.optim.Optimizer) -> None:
+    """torch's two warnings at a scheduler's first step, word for word (users search for them)."""
+    if not hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        warnings.warn(
+            "Seems like `optimizer.step()` has been overridden after learning rate scheduler "
+            "initialization. Please, make sure to call `optimizer.step()` before "
+            "`lr_scheduler.step()`. See more details at "
+            "https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate",
+            UserWarning, stacklevel=3)
+    elif not getattr(optimizer, "_opt_called", False):
+        warnings.warn(
+            "Detected call of `lr_scheduler.step()` before `optimizer.step()`. "
+            "In PyTorch 1.1.0 and later, you should call them in the opposite order: "
+            "`optimizer.step()` before `lr_scheduler.step()`.  Failure to do this "
+            "will result in PyTorch skipping the first value of the learning rate schedule. "
+            "See more details at "
+            "https://pytorch.org/docs/stable/optim.html#how-to-adjust-learning-rate",
+            UserWarning, stacklevel=3)
 
 
 def _epoch(scheduler: Any) -> int:

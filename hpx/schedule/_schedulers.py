@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -15,7 +16,7 @@ from hpx.errors import ConfigError
 from hpx.schedule._dropin import _epoch, _resolve, _Scheduler, _Solo
 from hpx.schedule._plan import OneCyclePlan, Rule, _Factor, _hdet_problems
 from hpx.schedule._shadow import _scheduler_problems, _Shadow, _shadow_knobs
-from hpx.schedule._util import _is_int, _labels, _tuple
+from hpx.schedule._util import _is_int, _labels, _lrs, _plain, _tuple
 from hpx.signals import Signal
 
 # ------------------------------------------------------------------------------------------
@@ -88,6 +89,9 @@ class OneCycleLR(_Scheduler):
             raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
         self.optimizer = optimizer
         n_groups = len(optimizer.param_groups)
+        # torch takes tensors here too and copies them (a later in-place change must not move
+        # the schedule): read once as numbers
+        max_lr, base_momentum, max_momentum = (_plain_each(v) for v in (max_lr, base_momentum, max_momentum))
         problems: list[str] = []
         shape = None
         try:
@@ -136,21 +140,62 @@ class OneCycleLR(_Scheduler):
         self.base_lrs = [g.get("initial_lr", shape.initial_lr(i))
                          for i, g in enumerate(optimizer.param_groups)]
         self.last_epoch = start
+        self._anchors = self._anchors_of(shape)
         self._hdet = {"rule": rule, "sync_every": plan.sync_every, "warmup": plan.warmup,
                       "spread": plan.spread}
         self._start(optimizer, plan.knobs(), config, model=model, backend=backend, signal=signal,
                     spread=spread, start=start)
+        if last_epoch != -1:  # resuming: torch reads the anchors the restored groups hold
+            self._follow_groups()
+            if isinstance(self._driver, _Solo):
+                self._driver.write()
+            self._last_lr = _lrs(optimizer)
 
     @property
     def shape(self) -> OneCycleShape:
         """The OneCycle schedule (a value: ask it for any group's lr or momentum at any step)."""
         return self.plan.shape
 
-    def _before_step(self) -> None:
-        self.plan.check_step(self.last_epoch + 1)  # torch's error, before anything has moved
+    def _before_step(self, epoch: float | None) -> None:
+        self._follow_groups()
+        # torch's error, before anything has moved
+        self.plan.check_step(self.last_epoch + 1 if epoch is None else epoch)
+        if epoch is not None:
+            self._driver.jump(epoch)
+
+    def _refused_step(self, epoch: float | None) -> None:
+        self.last_epoch = self.last_epoch + 1 if epoch is None else epoch
 
     def _after_step(self) -> None:
         self.last_epoch = self._driver.step_count
+
+    def _follow_groups(self) -> None:
+        """Read the cycle's anchors from the param groups, as torch's OneCycleLR does at every step:
+        a group's ``max_lr`` edited by hand, a scheduler rebuilt with ``last_epoch`` on restored
+        groups, or a state loaded into a scheduler built with other arguments all follow the
+        groups. Groups without the entries (a fresh optimizer) keep the constructor's values."""
+        groups = self.optimizer.param_groups
+        try:
+            lr = tuple((_plain(g["initial_lr"]), _plain(g["max_lr"]), _plain(g["min_lr"])) for g in groups)
+            mom = (tuple((_plain(g["base_momentum"]), _plain(g["max_momentum"])) for g in groups)
+                   if self.cycle_momentum else None)
+        except KeyError:
+            return
+        if (lr, mom) == self._anchors:
+            return
+        shape = self.plan.shape
+        shape = dataclasses.replace(
+            shape, max_lrs=tuple(a[1] for a in lr), initial_lrs=tuple(a[0] for a in lr),
+            min_lrs=tuple(a[2] for a in lr),
+            base_momentum=tuple(m[0] for m in mom) if mom else shape.base_momentum,
+            max_momentum=tuple(m[1] for m in mom) if mom else shape.max_momentum)
+        self._use_shape(shape)
+
+    def _anchors_of(self, shape: OneCycleShape) -> tuple[Any, Any]:
+        n = shape.n_groups
+        lr = tuple((shape.initial_lr(g), shape.max_lrs[g], shape.min_lr(g)) for g in range(n))
+        mom = tuple(shape.momentum_bounds(g) for g in range(n)) if shape.cycle_momentum else None
+        return lr, mom
 
     def _own_state(self) -> dict[str, Any]:
         s = self.plan.shape
@@ -179,7 +224,12 @@ class OneCycleLR(_Scheduler):
     def _load_own_state(self, state: dict[str, Any]) -> None:
         sch = dict(state["schedule"])
         sch["max_lrs"] = tuple(sch["max_lrs"])
-        shape = OneCycleShape(**sch)
+        self._use_shape(OneCycleShape(**sch))
+        self._follow_groups()  # as torch: the anchors are the groups' (this scheduler's constructor's)
+
+    def _use_shape(self, shape: OneCycleShape) -> None:
+        """Swap the schedule (the knobs hold the plan by reference)."""
+        self._anchors = self._anchors_of(shape)
         if shape == self.plan.shape:
             return
         mine = self.plan.shape
@@ -245,7 +295,8 @@ class ExploreLR(_Scheduler):
         ConfigError.check(problems + more)
         assert config is not None and backend is not None
         self.optimizer = scheduler.optimizer
-        self._shadow = _Shadow(scheduler)
+        # one replica: share the shadow with other ExploreLRs on this optimizer, so they compose
+        self._shadow = _Shadow(scheduler, share=not (backend.world_size > 1 and model is not None))
         self.base_lrs = list(getattr(scheduler, "base_lrs", None)  # SequentialLR has none
                              or [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups])
         self.last_epoch = _epoch(scheduler)
@@ -259,9 +310,15 @@ class ExploreLR(_Scheduler):
         """The copy of the wrapped scheduler that is being stepped (on a shadow optimizer)."""
         return self._shadow.scheduler
 
-    def _before_step(self) -> None:
+    def _before_step(self, epoch: float | None) -> None:
         # Step the wrapped scheduler first: if it refuses (past its end), nothing else has moved.
-        self._shadow.advance_to(self._driver.step_count + 1)
+        if epoch is None:
+            self._shadow.advance_to(self._driver.step_count + 1)
+        else:
+            self._shadow.step_epoch(epoch)
+
+    def _refused_step(self, epoch: float | None) -> None:
+        self.last_epoch = _epoch(self._shadow.scheduler)  # what the wrapped scheduler counted
 
     def _after_step(self) -> None:
         self.last_epoch = _epoch(self._shadow.scheduler)
@@ -271,3 +328,10 @@ class ExploreLR(_Scheduler):
 
     def _load_own_state(self, state: dict[str, Any]) -> None:
         self._shadow.load_state_dict(state["scheduler"])
+
+
+def _plain_each(value: Any) -> Any:
+    """A one-element tensor, or a list of them, as Python numbers (other values unchanged)."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return _plain(value)

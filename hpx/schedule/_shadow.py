@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,13 +30,14 @@ class _ShadowOptimizer(torch.optim.Optimizer):
     Same ``defaults`` and param-group settings (so schedulers that read ``initial_lr``, ``betas``
     or the current ``lr`` see what they would see), one empty tensor per group instead of the
     parameters, and a ``step`` that does nothing. The schedulers write into its groups; hpx reads
-    them. Learning rates are kept as Python floats, so reading them never waits on a device.
+    them. Values on a device are kept as Python floats, so reading them never waits on it; CPU
+    tensors stay tensors (copies), so the schedule computes in their precision, as torch would.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         groups = []
         for g in optimizer.param_groups:
-            group = {k: _plain(v) for k, v in g.items() if k != "params"}
+            group = {k: _shadow_value(v) for k, v in g.items() if k != "params"}
             group["params"] = [torch.empty(0)]
             groups.append(group)
         super().__init__(groups, {k: _plain(v) for k, v in optimizer.defaults.items()})
@@ -51,6 +54,33 @@ class _ShadowOptimizer(torch.optim.Optimizer):
     step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
 
 
+# One shadow optimizer per user optimizer for the one-replica ExploreLRs on it, so that two of them
+# compose as torch's schedulers do on one optimizer (each computes from the lr the other wrote).
+_SHARED: weakref.WeakKeyDictionary[torch.optim.Optimizer, weakref.ref[_ShadowOptimizer]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _shadow_optimizer(optimizer: torch.optim.Optimizer) -> _ShadowOptimizer:
+    """The shadow optimizer the live ExploreLRs on ``optimizer`` share, or a new one."""
+    found = _SHARED.get(optimizer)
+    shadow = found() if found is not None else None
+    if shadow is None or len(shadow.param_groups) != len(optimizer.param_groups):
+        shadow = _ShadowOptimizer(optimizer)
+        _SHARED[optimizer] = weakref.ref(shadow)
+        return shadow
+    for mine, theirs in zip(shadow.param_groups, optimizer.param_groups):
+        for k, v in theirs.items():  # entries a scheduler built since has added (base_momentum, ...)
+            if k not in mine:
+                mine[k] = _shadow_value(v)
+    return shadow
+
+
+def _shadow_value(value: Any) -> Any:
+    if torch.is_tensor(value) and value.device.type == "cpu":
+        return value.detach().clone()
+    return _plain(value)
+
+
 class _Shadow:
     """A copy of the user's scheduler, stepped lazily as the engine's step advances.
 
@@ -59,8 +89,9 @@ class _Shadow:
     schedule's own, not the replica's spread value: hence the copy on a shadow optimizer.
     """
 
-    def __init__(self, scheduler: LRScheduler) -> None:
-        self.optimizer = _ShadowOptimizer(scheduler.optimizer)
+    def __init__(self, scheduler: LRScheduler, *, share: bool = False) -> None:
+        real = scheduler.optimizer
+        self.optimizer = _shadow_optimizer(real) if share else _ShadowOptimizer(real)
         # Deep-copy the scheduler with the user's optimizer replaced by the shadow everywhere
         # (nested schedulers included); nothing of the model or optimizer state is copied.
         self.scheduler: LRScheduler = copy.deepcopy(scheduler, {id(scheduler.optimizer): self.optimizer})
@@ -75,6 +106,14 @@ class _Shadow:
         if step < self.step:
             raise ValueError(f"a wrapped scheduler only moves forward: asked for step {step} at step "
                              f"{self.step}")
+
+    def step_epoch(self, epoch: float) -> None:
+        """torch's deprecated ``scheduler.step(epoch)`` on the copy, counted as one step (hpx's
+        ``step(epoch)`` gives torch's warning itself)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The epoch parameter")
+            self.scheduler.step(epoch)  # type: ignore[arg-type]  # SequentialLR raises TypeError, as in torch
+        self.step += 1
 
     def lr(self, group: int, step: int) -> float:
         self.advance_to(step)
