@@ -89,8 +89,11 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
         extra: more objects with ``state_dict()`` / ``load_state_dict()`` to save with it,
             by name: an LR scheduler, a ``GradScaler``, your data sampler.
         keep: complete checkpoints of this rank to keep (older ones are deleted once
-            this one is complete). At least 2 under torch.distributed, so that the
-            ranks still share a step when one was killed while saving the newest.
+            this one is complete). At least 2 under torch.distributed (1 is refused), so
+            that the ranks still share a step when one was killed while saving the newest.
+
+    Temporary files that a process killed while saving left in the directory (their PID no
+    longer runs on this host) are deleted here and by :func:`load_checkpoint`.
 
     Every rank must call it at the same step. Saves are atomic per file: a process
     killed during a save leaves the previous checkpoints as they were.

@@ -293,7 +293,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
             scaler: a ``torch.amp.GradScaler`` for mixed precision: backward runs on
                 ``scaler.scale(loss * scale)``; give the same scaler to :meth:`optimizer_step`.
 
-        Returns the ``[L]`` detached, unscaled losses, on device.
+        Returns the ``[L]`` detached, unscaled losses, on device. When ``loss_fn`` raises, the
+        optimizer step is dropped: the next call starts it again from zero gradients.
 
         Run it under ``torch.autocast(...)`` for mixed precision, as you would the forward.
         """
