@@ -16,6 +16,7 @@ log = logging.getLogger("hpx")
 
 _SHARDS = "sharded"  # a step folder's directory of sharded replicas' files
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
+_TEMP = re.compile(r"^\.(rank-(\d{5})\.pt(?:\.sha256)?)\.tmp-(\d+)$")  # a write in progress, by PID
 
 
 def _sidecar_info(path: Path) -> dict[str, Any]:
@@ -115,3 +116,31 @@ def _prune(root: Path, rank: int, keep: int, saved: int) -> None:
             folder.rmdir()  # the last rank to prune removes the folder
         except OSError:
             pass
+
+
+def _clean_stale(root: Path, rank: int) -> None:
+    """Delete this rank's temporary files left by a process that died while saving (its PID no
+    longer runs): payload-sized files no save would ever rename or delete. A live process's (a
+    save under way, or a PID on another host that happens to run here) is left alone."""
+    if not root.is_dir():
+        return
+    for d in root.iterdir():
+        if not _STEP_DIR.match(d.name) or not d.is_dir():
+            continue
+        for f in d.iterdir():
+            m = _TEMP.match(f.name)
+            if m and int(m.group(2)) == rank and not _alive(int(m.group(3))):
+                f.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this PID runs on this host (this process counts as alive)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # it exists (another user's), or the platform cannot tell: keep the file
+    return True

@@ -41,8 +41,8 @@ class _RunState:
             "history": [asdict(r) for r in self.history],
             "placement": None if self._placement is None else self._placement.clone(),
             "anchor": None if self._anchor is None else [a.detach().cpu().clone() for a in self._anchor],
-            "replicas": [{"model": r.model.state_dict(), "optimizer": self._optimizer_state(r)}
-                         for r in self.replicas],
+            "replicas": [{"model": r.model.state_dict(), "optimizer": self._optimizer_state(r),
+                          "optimizer_type": type(r.optimizer).__name__} for r in self.replicas],
         }
 
     def _optimizer_state(self, r: Replica) -> dict[str, Any]:
@@ -89,6 +89,23 @@ class _RunState:
     def _load_elastic(self, states: Sequence[dict[str, Any]]) -> None:
         keys = list(self.replicas[0].model.state_dict())
         states = [_unwrapped(st, keys) for st in states]  # saved under DDP, loaded into a bare model
+        ConfigError.check(self._elastic_problems(states))
+        saved = [rep for st in states for rep in st["replicas"]]
+        model = _mean_states([rep["model"] for rep in saved])
+        opt = saved[0]["optimizer"]
+        opt = {**opt, "state": {i: _mean_states([rep["optimizer"]["state"][i] for rep in saved])
+                                for i in opt["state"]}}
+        for r in self.replicas:
+            r.model.load_state_dict(model)
+            r.optimizer.load_state_dict(_own_state(opt))
+        if self._state is not None:
+            self._state.engaged = False  # the next step takes the loaded state over
+        self._resume_elastic(states[0])
+
+    def _elastic_problems(self, states: Sequence[Any]) -> list[str]:
+        """Every reason to refuse an elastic resume from ``states``, found without changing anything."""
+        keys = list(self.replicas[0].model.state_dict())
+        states = [_unwrapped(st, keys) for st in states]
         problems = []
         if not states:
             problems.append("load_elastic needs the saved run's checkpoints (one per process it had)")
@@ -105,18 +122,7 @@ class _RunState:
             if firsts != sorted(firsts) or total != states[0]["n_replicas"]:
                 problems.append(f"the checkpoints hold {total} replicas starting at {firsts}, but the run "
                                 f"had {states[0]['n_replicas']}: give every process's file, in rank order")
-        ConfigError.check(problems)
-        saved = [rep for st in states for rep in st["replicas"]]
-        model = _mean_states([rep["model"] for rep in saved])
-        opt = saved[0]["optimizer"]
-        opt = {**opt, "state": {i: _mean_states([rep["optimizer"]["state"][i] for rep in saved])
-                                for i in opt["state"]}}
-        for r in self.replicas:
-            r.model.load_state_dict(model)
-            r.optimizer.load_state_dict(_own_state(opt))
-        if self._state is not None:
-            self._state.engaged = False  # the next step takes the loaded state over
-        self._resume_elastic(states[0])
+        return problems
 
     def _resume_elastic(self, first: dict[str, Any]) -> None:
         """hpx's own state from a run of another replica count, the weights being loaded
@@ -150,8 +156,10 @@ class _RunState:
 
     def _settings(self) -> dict[str, Any]:
         """The settings a checkpoint records and a resumed engine must share."""
+        settings = getattr(self.search, "settings", None)  # the search's own (autolr's total_steps, span)
         return {"replicas": self.n_replicas, **{k: getattr(self.config, k) for k in _TRAJECTORY},
                 "search": type(self.search).__name__,
+                **{f"search.{k}": v for k, v in (settings() if callable(settings) else {}).items()},
                 "knobs": [[k.name, type(k).__name__, k.kind] for k in self.knobs]}
 
     def _load_problems(self, state: Any, elastic: bool = False) -> list[str]:
@@ -201,8 +209,8 @@ class _RunState:
         for i, (r, s) in enumerate(pairs):
             who = f"saved replica {state.get('first', 0) + i}" if elastic else f"replica {self._first + i}"
             problems += _module_problems(f"{who}'s model", r.model.state_dict(), s.get("model", {}))
-            problems += _optimizer_problems(f"{who}'s optimizer", r.optimizer.state_dict(),
-                                            s.get("optimizer", {}))
+            problems += _optimizer_problems(f"{who}'s optimizer", r.optimizer, s.get("optimizer", {}),
+                                            s.get("optimizer_type"))
         return problems
 
     def _check_agreement(self, *, settle: bool) -> None:
@@ -289,9 +297,24 @@ def _module_problems(what: str, current: dict[str, Any], saved: Any, show: int =
     return out
 
 
-def _optimizer_problems(what: str, current: dict[str, Any], saved: Any) -> list[str]:
+def _optimizer_problems(what: str, optimizer: torch.optim.Optimizer, saved: Any,
+                        saved_type: str | None = None) -> list[str]:
+    """Why ``saved`` cannot load into ``optimizer``: another kind of optimizer (its class, saved
+    with the checkpoint, or the keys of its per-parameter state), or other parameter groups."""
     if not isinstance(saved, dict) or "param_groups" not in saved:
         return [f"{what}: the checkpoint holds no optimizer state dict"]
+    current = optimizer.state_dict()
+    kind = type(optimizer).__name__
+    if saved_type is not None and saved_type != kind:
+        return [f"{what}: the checkpoint was saved from a {saved_type}, this engine's optimizer is a "
+                f"{kind}: build the engine with a {saved_type}, as the saved run had (its state cannot "
+                f"drive a {kind})"]
+    mine_keys = {k for st in current["state"].values() for k in st}
+    theirs_keys = {k for st in saved.get("state", {}).values() if isinstance(st, dict) for k in st}
+    if mine_keys and theirs_keys and mine_keys != theirs_keys:
+        return [f"{what}: the checkpoint's optimizer state holds {sorted(theirs_keys)} per parameter, this "
+                f"{kind}'s holds {sorted(mine_keys)}: it was saved from another kind of optimizer; build "
+                "the engine with the saved run's optimizer"]
     mine = [len(g["params"]) for g in current["param_groups"]]
     theirs = [len(g["params"]) for g in saved["param_groups"]]
     if mine != theirs:

@@ -49,18 +49,25 @@ class _TrainingStep:
             problems.append(f"scaler must be a torch.amp.GradScaler or None (got {scaler!r})")
         ConfigError.check(problems)
         losses = []
-        for rep, part in zip(self.replicas, parts):
-            loss = loss_fn(rep, part)
-            if not torch.is_tensor(loss) or loss.numel() != 1:
-                raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
-                                f"of shape {getattr(loss, 'shape', None)})")
-            out = loss * scale if scale != 1 else loss
-            if not self._one_step:
-                (scaler.scale(out) if scaler is not None else out).backward()
-            elif self._one.admit(loss):  # on the host: not into the one gradient if non-finite
-                (scaler.scale(out) if scaler is not None else out).backward()
-                self._one.ran(loss)
-            losses.append(loss.detach().reshape(()))
+        try:
+            for rep, part in zip(self.replicas, parts):
+                loss = loss_fn(rep, part)
+                if not torch.is_tensor(loss) or loss.numel() != 1:
+                    raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
+                                    f"of shape {getattr(loss, 'shape', None)})")
+                out = loss * scale if scale != 1 else loss
+                if not self._one_step:
+                    (scaler.scale(out) if scaler is not None else out).backward()
+                elif self._one.admit(loss):  # on the host: not into the one gradient if non-finite
+                    (scaler.scale(out) if scaler is not None else out).backward()
+                    self._one.ran(loss)
+                losses.append(loss.detach().reshape(()))
+        except BaseException:
+            # some replicas ran their backward, others did not: the whole optimizer step is dropped,
+            # and the next backward starts it again from zero gradients
+            self._fresh, self._reduced = True, False
+            self._step_loss.zero_()
+            raise
         lt = torch.stack(losses).to(self._acc.dtype)
         self._accumulate(lt, range(self.n_local))
         self._step_loss.add_(lt)  # non-finite if any micro-batch's was: left out of the mean
@@ -171,6 +178,8 @@ class _TrainingStep:
         self._fresh, self._reduced, self._one_step = True, False, False
         self._step_loss.zero_()
         self.step_count += 1
+        if self.step_count == self._past_end:
+            self._warn_past_end()
         if self.step_count >= self._next_sync:
             self._sync(batch, loss_fn)
         else:

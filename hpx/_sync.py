@@ -98,19 +98,28 @@ class _Syncing:
         self._keep(rec)
         if log.isEnabledFor(logging.INFO):
             log.info("sync at step %d: %s", self.step_count, rec.summary())
-        for callback in self._on_sync:
-            callback(rec)
+        try:
+            for callback in self._on_sync:
+                callback(rec)
+        finally:  # a callback that raises still leaves the sync finished (and the ranks in step)
+            self._acc.zero_()
+            self._bad.zero_()
+            self._acc_n = [0] * self.n_local
+            self._draw()
+            self._write(force=True)
+            if cfg.check_consistency and self.collective.world_size > 1:
+                state = torch.cat([torch.tensor([k.base for k in self.knobs], dtype=torch.float64),
+                                   self._slots.reshape(-1).to(torch.float64)])
+                self.collective.check_same(
+                    state, f"knob bases and permutations after the sync at step {self.step_count}")
 
-        self._acc.zero_()
-        self._bad.zero_()
-        self._acc_n = [0] * self.n_local
-        self._draw()
-        self._write(force=True)
-        if cfg.check_consistency and self.collective.world_size > 1:
-            state = torch.cat([torch.tensor([k.base for k in self.knobs], dtype=torch.float64),
-                               self._slots.reshape(-1).to(torch.float64)])
-            self.collective.check_same(
-                state, f"knob bases and permutations after the sync at step {self.step_count}")
+    def _warn_past_end(self) -> None:
+        """Once, at the first step past the run's length the search was built for (autolr's
+        ``total_steps``): the run goes on, but what was planned over that length is over."""
+        log.warning("step %d is past total_steps=%d, the run's length %s was built for: the schedule "
+                    "stays at its last value and the search holds the learning rate it found. Give the "
+                    "run's real length as total_steps to plan over all of it", self.step_count,
+                    self._past_end - 1, type(self.search).__name__)
 
     def _controls_now(self, ahead: int = 0) -> bool:
         """Whether the search reads the scores at a sync ``ahead`` steps from now (the signal

@@ -46,6 +46,7 @@ import torch
 from hpx._files import (
     _SHARDS,
     _STEP_DIR,
+    _clean_stale,
     _complete_for_all,
     _complete_steps,
     _digest,
@@ -54,6 +55,16 @@ from hpx._files import (
     _prune,
     _sidecar,
     _write_atomic,
+)
+from hpx._loading import (
+    _act,
+    _device,
+    _load_extras,
+    _processes,
+    _read,
+    _saved_extra_problems,
+    _step_problems,
+    _together,
 )
 from hpx.engine import Engine
 from hpx.errors import ConfigError
@@ -78,8 +89,11 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
         extra: more objects with ``state_dict()`` / ``load_state_dict()`` to save with it,
             by name: an LR scheduler, a ``GradScaler``, your data sampler.
         keep: complete checkpoints of this rank to keep (older ones are deleted once
-            this one is complete). At least 2 under torch.distributed, so that the
-            ranks still share a step when one was killed while saving the newest.
+            this one is complete). At least 2 under torch.distributed (1 is refused), so
+            that the ranks still share a step when one was killed while saving the newest.
+
+    Temporary files that a process killed while saving left in the directory (their PID no
+    longer runs on this host) are deleted here and by :func:`load_checkpoint`.
 
     Every rank must call it at the same step. Saves are atomic per file: a process
     killed during a save leaves the previous checkpoints as they were.
@@ -87,6 +101,10 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     problems = []
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         problems.append(f"keep must be an integer >= 1 (got {keep!r}): complete checkpoints to keep")
+    elif keep < 2 and _processes(engine).world_size > 1:
+        problems.append(f"keep=1 under torch.distributed ({_processes(engine).world_size} processes) can "
+                        "leave the ranks no common step: a rank killed while saving keeps only the step "
+                        "before, the others only the new one. Give keep=2 or more")
     problems += _extra_problems(extra)
     ConfigError.check(problems)
     rank = _processes(engine).rank
@@ -97,10 +115,12 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
         "world_size": _processes(engine).world_size,
         "engine": engine.state_dict(),
         "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()},
+        "extra_types": {name: type(obj).__name__ for name, obj in (extra or {}).items()},
         "rng": _rng_state(),
     }
     folder = Path(directory) / f"step-{engine.step_count:09d}"
     folder.mkdir(parents=True, exist_ok=True)
+    _clean_stale(Path(directory), rank)
     if _sharded(engine):  # the shards through torch.distributed.checkpoint, by every process
         _save_shards(engine, folder / _SHARDS)
         eng = state["engine"]
@@ -163,6 +183,7 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     if not isinstance(required, bool):
         problems.append(f"required must be True or False (got {required!r})")
     ConfigError.check(problems)
+    _clean_stale(root, _processes(engine).rank)
     load = _load_elastic if elastic else _load_sharded if _sharded(engine) else _load_own
     step = load(root, engine, extra, rng)
     if step is None:
@@ -222,25 +243,21 @@ def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: 
         if bool((oks > 0).all()):
             break
         excluded.add(step)
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    problems = []
-    if state.get("format") != _FORMAT:
-        problems.append(f"{path}: unknown checkpoint file format {state.get('format')!r}")
-    if state.get("world_size") != _processes(engine).world_size:
-        problems.append(f"{path} was saved by a run of {state.get('world_size')} processes, this one has "
-                        f"{_processes(engine).world_size}: resume with the saved run's process count, or "
-                        "with load_checkpoint(..., elastic=True)")
-    problems += [f"{path}: {p}" for p in engine._load_problems(state.get("engine"))]
-    missing = [name for name in (extra or {}) if name not in state.get("extra", {})]
-    if missing:
-        problems.append(f"{path} holds no state for {missing} (it holds {sorted(state.get('extra', {}))}): "
-                        "give load_checkpoint the extra objects that were saved")
-    ConfigError.check(problems)
-    engine.load_state_dict(state["engine"])
-    for name, obj in (extra or {}).items():
-        obj.load_state_dict(state["extra"][name])
-    if rng:
-        _set_rng_state(state["rng"])
+    state, problems = _read(path)
+    if state is not None:
+        if state.get("format") != _FORMAT:
+            problems.append(f"{path}: unknown checkpoint file format {state.get('format')!r}")
+        if state.get("world_size") != _processes(engine).world_size:
+            problems.append(f"{path} was saved by a run of {state.get('world_size')} processes, this one has "
+                            f"{_processes(engine).world_size}: resume with the saved run's process count, or "
+                            "with load_checkpoint(..., elastic=True)")
+        problems += _step_problems(path, step, state)
+        problems += [f"{path}: {p}" for p in engine._load_problems(state.get("engine"))]
+        problems += _saved_extra_problems(path, state, extra)
+    _together(engine, problems, f"step {step}")  # every rank learns a refusal before any acts
+    _act(engine, f"step {step}", lambda: _load_extras(state, extra),
+         lambda: engine.load_state_dict(state["engine"]),
+         lambda: _set_rng_state(state["rng"]) if rng else None)
     return step
 
 
@@ -253,23 +270,23 @@ def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
     if found is None:
         return None
     step, folder, paths = found
-    states = [torch.load(p, map_location="cpu", weights_only=False) for p in paths]
-    problems = []
-    worlds = {st.get("world_size") for st in states}
-    if worlds != {len(states)}:
-        problems.append(f"{folder} holds {len(states)} rank files saved by runs of {sorted(worlds)} "
-                        "processes: it mixes runs")
-    own = states[rank] if rank < len(states) else states[0]
-    missing = [name for name in (extra or {}) if name not in own.get("extra", {})]
-    if missing:
-        problems.append(f"{folder} holds no state for {missing}: give load_checkpoint the extra objects that "
-                        "were saved")
-    ConfigError.check(problems)
-    engine.load_elastic([st["engine"] for st in states])
-    for name, obj in (extra or {}).items():
-        obj.load_state_dict(own["extra"][name])
-    if rng:
-        _set_rng_state(own["rng"])
+    read = [_read(p) for p in paths]
+    states = [st for st, _ in read]
+    problems = [p for _, ps in read for p in ps]
+    if not problems:
+        worlds = {st.get("world_size") for st in states}
+        if worlds != {len(states)}:
+            problems.append(f"{folder} holds {len(states)} rank files saved by runs of {sorted(worlds)} "
+                            "processes: it mixes runs")
+        for p, st in zip(paths, states):
+            problems += _step_problems(p, step, st)
+        problems += [f"{folder}: {p}" for p in engine._elastic_problems([st.get("engine") for st in states])]
+        own = states[rank] if rank < len(states) else states[0]
+        problems += _saved_extra_problems(folder, own, extra)
+    _together(engine, problems, f"step {step}")
+    _act(engine, f"step {step}", lambda: _load_extras(own, extra),
+         lambda: engine.load_elastic([st["engine"] for st in states]),
+         lambda: _set_rng_state(own["rng"]) if rng else None)
     return step
 
 
@@ -371,11 +388,8 @@ def _load_sharded(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
     if elastic and eng.get("n_replicas") != len(saved):
         problems.append(f"{folder} holds the files of replicas {saved} of a run of {eng.get('n_replicas')}: "
                         "it is incomplete")
-    missing = [name for name in (extra or {}) if name not in own.get("extra", {})]
-    if missing:
-        problems.append(f"{folder} holds no state for {missing}: give load_checkpoint the extra objects that "
-                        "were saved")
-    ConfigError.check(problems)
+    problems += _saved_extra_problems(folder, own, extra)
+    _together(engine, problems, f"step {step}")
     sums: list[torch.Tensor] = []
     for r in keys:  # a replica's tensors into this rank's shards' own storage, and the rest
         shards, view = _shard_state(engine, anchored, replica=r)  # (param groups' settings) adopted
@@ -396,14 +410,9 @@ def _load_sharded(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
                    optim_state_dict=shards["optim"])
     if anchored:
         eng["anchor"] = [local(t).clone() for t in shards["anchor"].values()]
-    if elastic:
-        engine._resume_elastic(eng)
-    else:
-        engine.load_state_dict(eng)
-    for name, obj in (extra or {}).items():
-        obj.load_state_dict(own["extra"][name])
-    if rng:
-        _set_rng_state(own["rng"])
+    _act(engine, f"step {step}", lambda: _load_extras(own, extra),
+         lambda: engine._resume_elastic(eng) if elastic else engine.load_state_dict(eng),
+         lambda: _set_rng_state(own["rng"]) if rng else None)
     return step
 
 
@@ -483,18 +492,6 @@ def _agree(engine: Engine, steps: list[int]) -> int | None:
         log.warning("step %d is not complete on every rank (a save was interrupted): resuming from "
                     "step %d, the newest that all ranks have", newest_anywhere, max(common))
     return max(common) if common else None
-
-
-def _processes(engine: Engine) -> Any:
-    """The collective over every process: files are per process. A backend whose replicas span
-    several processes (``hpx.backends.Mesh``) gives it as ``processes``; otherwise a process is a
-    rank of the backend."""
-    return getattr(engine.collective, "processes", engine.collective)
-
-
-def _device(engine: Engine) -> torch.device:
-    """Where the engine's collectives run (NCCL gathers CUDA tensors only)."""
-    return engine._acc.device
 
 
 def _rng_state() -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -136,6 +137,9 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
             raise ConfigError(["give either config=EngineConfig(...) or settings as keywords, not both"])
         self.config = config if config is not None else EngineConfig.build(**settings)
         cfg = self.config
+        if cfg.history_file is not None and os.path.isdir(cfg.history_file):
+            raise ConfigError([f"history_file={cfg.history_file!r} is a directory: give a file's path in it, "
+                               f"e.g. {os.path.join(cfg.history_file, 'history.jsonl')!r}"])
         if not isinstance(model, torch.nn.Module):
             raise ConfigError([f"model must be a torch.nn.Module (got {type(model).__name__})"])
         self.collective: Collective = backend if backend is not None else default_backend()
@@ -227,6 +231,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         if cfg.history_file is not None and self._writes_files:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.history_file)), exist_ok=True)
         self._agreement_due = False  # after a load: check that the ranks resumed alike
+        ends = getattr(self.search, "total_steps", None)  # a search planned over the run's length
+        self._past_end = ends + 1 if isinstance(ends, int) else -1  # the first step past it: warned
         self._next_sync = cfg.sync_every
         # A strategy that scores replicas placed along the run's displacement (Decision.placement)
         # needs the parameters the run started from: the anchor, taken below once they are set.
@@ -287,7 +293,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
             scaler: a ``torch.amp.GradScaler`` for mixed precision: backward runs on
                 ``scaler.scale(loss * scale)``; give the same scaler to :meth:`optimizer_step`.
 
-        Returns the ``[L]`` detached, unscaled losses, on device.
+        Returns the ``[L]`` detached, unscaled losses, on device. When ``loss_fn`` raises, the
+        optimizer step is dropped: the next call starts it again from zero gradients.
 
         Run it under ``torch.autocast(...)`` for mixed precision, as you would the forward.
         """
@@ -328,6 +335,11 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         one-element tensors, kept as they are (no host read) until the sync reads them."""
         if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
             raise ConfigError([f"log takes a dict of name -> number (got {metrics!r})"])
+        ConfigError.check(
+            f"log's metric {k!r} is {_shown(v)}: give a number or a one-element tensor (the sync reads "
+            "it with float())" for k, v in metrics.items()
+            if not (isinstance(v, numbers.Real) or (torch.is_tensor(v) and v.numel() == 1
+                                                    and not v.is_complex())))
         self._metrics.update({k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()})
 
     def record(self, loss: torch.Tensor, replica: int = 0) -> None:
@@ -458,6 +470,14 @@ def _build_replicas(model: torch.nn.Module, optimizer: Union[OptimizerFactory, t
         reps.append(Replica(first + i, m, opt))
     return reps
 
+
+
+def _shown(v: Any) -> str:
+    """A value as an error message shows it: a tensor by its shape, anything else by its repr."""
+    if torch.is_tensor(v):
+        return f"a tensor of shape {tuple(v.shape)}"
+    text = repr(v)
+    return f"{text[:60]}..." if len(text) > 60 else text
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:

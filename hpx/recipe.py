@@ -77,12 +77,15 @@ def autolr(
             wrapped in DistributedDataParallel or not).
         optimizer: the optimizer, built with your learning rates on ``model``'s parameters (a
             ``factory(model) -> Optimizer`` when ``replicas > 1``).
-        total_steps: the run's length in optimizer steps.
+        total_steps: the run's length in optimizer steps. A checkpoint records it (and
+            ``span``): resuming with another value is refused. Stepping past it logs one
+            warning; the run goes on at the schedule's last value and the learning rate found.
         schedule: the lr's shape over the run: ``f(step) -> factor`` for every group (1 at the
             peak), or a torch ``LRScheduler`` built on an optimizer with the same param groups
             (stepped once on a copy and divided by its peak; every group must follow the same
             shape; its peak learning rates are the ones explored around; a momentum or beta1
-            cycle, as OneCycleLR and CyclicLR write one, is followed exactly, not explored).
+            cycle, as OneCycleLR and CyclicLR write one, is followed exactly, not explored;
+            a run over 100,000 steps reads it lazily, see ``hpx.schedule._shadow.read_schedule``).
             ``None``: constant.
             Build ``optimizer`` with the *peak* learning rates.
         probe: held-out batches to score replicas on (cycled, up to 4 per sync; a list of a few

@@ -209,36 +209,109 @@ def _scheduler_problems(scheduler: Any) -> list[str]:
     return []
 
 
+_EAGER_STEPS = 100_000  # read_schedule tabulates this many steps at most (about 0.6 s); later ones lazily
+
+
 def read_schedule(scheduler: LRScheduler,
-              total_steps: int) -> tuple[Callable[[int], float], list[float], list[Knob]]:
+                  total_steps: int) -> tuple[Callable[[int], float], list[float], list[Knob]]:
     """The scheduler's lr over ``total_steps + 1`` steps as a factor of its peak, each group's
     peak lr, and, when the scheduler cycles momentum (OneCycleLR, CyclicLR), one knob per group
-    that writes its momentum (or Adam's beta1) exactly as the scheduler would; read once on a
-    copy (the scheduler and its optimizer are left as they are)."""
+    that writes its momentum (or Adam's beta1) exactly as the scheduler would; read on a copy
+    (the scheduler and its optimizer are left as they are).
+
+    Up to ``_EAGER_STEPS`` (100,000) steps the schedule is read once, whole: the peaks are the
+    run's, and every step is checked to follow one shape in every group. A longer run reads
+    the first 100,000 steps so (the peaks are theirs) and steps a copy of the scheduler on as
+    the engine's step advances (a step costs a few microseconds; nothing is stored), checking
+    each step's shape as it is read: a group that departs from it raises
+    :class:`~hpx.ConfigError` at that step, and a later learning rate above the first steps'
+    peak is a factor above 1 (the learning rates written are the scheduler's either way)."""
     ConfigError.check(_scheduler_problems(scheduler))
     shadow = _Shadow(scheduler)
     n = len(shadow.optimizer.param_groups)
     lrs, momenta = [], []
-    for t in range(total_steps + 1):
+    for t in range(min(total_steps, _EAGER_STEPS) + 1):
         lrs.append([shadow.lr(g, t) for g in range(n)])
         if shadow.cycles_momentum:
             momenta.append([shadow.momentum(g, t) for g in range(n)])
-    followed: list[Knob] = [_CycledMomentum(f"momentum/{g}", group=g,
-                                            schedule=_Table([row[g] for row in momenta]))
-                            for g in range(n)] if momenta else []
     peaks = [max(row[g] for row in lrs) for g in range(n)]
     if not any(p > 0 for p in peaks):
         raise ConfigError(["the schedule's learning rates are 0 at every step: nothing to scale"])
     ref = next(g for g in range(n) if peaks[g] > 0)
     for t, row in enumerate(lrs):
-        factor = row[ref] / peaks[ref]
-        for g in range(n):
-            if peaks[g] > 0 and not math.isclose(row[g] / peaks[g], factor, rel_tol=1e-9, abs_tol=1e-12):
-                raise ConfigError(
-                    [f"param group {g} follows another shape than group {ref} at step {t} "
-                     f"({row[g] / peaks[g]:.6g} against {factor:.6g} of their peaks): autolr scales "
-                     "every group by one factor; declare hpx.LearningRate knobs per group instead"])
-    return _Table([row[ref] / peaks[ref] for row in lrs]), peaks, followed
+        _check_shape(row, peaks, ref, t)
+    factors = [row[ref] / peaks[ref] for row in lrs]
+    if total_steps <= _EAGER_STEPS:
+        followed: list[Knob] = [_CycledMomentum(f"momentum/{g}", group=g,
+                                                schedule=_Table([row[g] for row in momenta]))
+                                for g in range(n)] if momenta else []
+        return _Table(factors), peaks, followed
+    lazy = _LazySchedule(shadow, total_steps, peaks, ref, factors, momenta)
+    followed = [_CycledMomentum(f"momentum/{g}", group=g, schedule=_LazyMomentum(lazy, g))
+                for g in range(n)] if momenta else []
+    return lazy, peaks, followed
+
+
+def _check_shape(row: Sequence[float], peaks: Sequence[float], ref: int, t: int) -> None:
+    """Raise unless every group's lr at step ``t`` is the same share of its peak as group ``ref``'s."""
+    factor = row[ref] / peaks[ref]
+    for g in range(len(row)):
+        if peaks[g] <= 0 and row[g] == 0:  # a group at 0 throughout stays there
+            continue
+        share = row[g] / peaks[g] if peaks[g] > 0 else math.inf
+        if g != ref and not math.isclose(share, factor, rel_tol=1e-9, abs_tol=1e-12):
+            raise ConfigError(
+                [f"param group {g} follows another shape than group {ref} at step {t} "
+                 f"({share:.6g} against {factor:.6g} of their peaks): autolr scales "
+                 "every group by one factor; declare hpx.LearningRate knobs per group instead"])
+
+
+class _LazySchedule:
+    """``f(step)`` of a long run: the first steps from a table, later ones from a copy of the
+    scheduler stepped on as they are asked for (checked for one shape as they are read); past
+    ``total_steps``, the last step's value. An earlier step than the copy has reached (a resume
+    from an older checkpoint) restarts it from where the table ends."""
+
+    def __init__(self, shadow: _Shadow, total_steps: int, peaks: list[float], ref: int,
+                 factors: list[float], momenta: list[list[float]]) -> None:
+        self.total_steps, self.peaks, self.ref = total_steps, peaks, ref
+        self.factors, self.momenta = factors, momenta
+        self._start = copy.deepcopy(shadow)  # at the table's last step
+        self._shadow = shadow
+        self._checked = len(factors) - 1  # steps up to this one follow the shape
+
+    def _at(self, step: int) -> _Shadow:
+        step = min(step, self.total_steps)
+        if step < self._shadow.step:
+            self._shadow = copy.deepcopy(self._start)
+        shadow = self._shadow
+        while shadow.step < step:
+            shadow.advance_to(shadow.step + 1)
+            if shadow.step > self._checked:
+                row = [shadow.optimizer.param_groups[g]["lr"] for g in range(len(self.peaks))]
+                _check_shape([float(v) for v in row], self.peaks, self.ref, shadow.step)
+                self._checked = shadow.step
+        return shadow
+
+    def __call__(self, step: int) -> float:
+        if 0 <= step < len(self.factors):
+            return self.factors[step]
+        return self._at(max(step, 0)).lr(self.ref, min(step, self.total_steps)) / self.peaks[self.ref]
+
+    def momentum(self, group: int, step: int) -> float:
+        if 0 <= step < len(self.momenta):
+            return self.momenta[step][group]
+        return self._at(max(step, 0)).momentum(group, min(step, self.total_steps))
+
+
+class _LazyMomentum:
+    __slots__ = ("group", "lazy")
+
+    def __init__(self, lazy: _LazySchedule, group: int) -> None:
+        self.lazy, self.group = lazy, group
+
+    def __call__(self, step: int) -> float:
+        return self.lazy.momentum(self.group, step)
 
 
 class _Table:

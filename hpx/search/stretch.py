@@ -194,6 +194,12 @@ class Stretch:
         self.done = bool(state["done"])
         self.moves = [float(m) for m in state["moves"]]
 
+    def settings(self) -> dict[str, Any]:
+        """What a checkpoint records and a resumed run must share (the engine refuses a resume
+        with other values: the search's schedule of syncs and its reach depend on them)."""
+        return {"total_steps": self.total_steps, "span": self.span, "until": self.until, "syncs": self.syncs,
+                "burn_in": self.burn_in, "guard_until": self.guard_until, "points": self.points}
+
     def __repr__(self) -> str:
         return (f"Stretch(total_steps={self.total_steps}, until={self.until:g}, syncs={self.syncs}, "
                 f"span={self.span:g}, burn_in={self.burn_in:g}, guard_until={self.guard_until:g}, "

@@ -123,16 +123,21 @@ def test_checkpoint_resume_continues_hpxs_state(tmp_path):
     auto = AutoLR(probe_loss, probe=probe())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = _trainer(tmp_path, 10, callbacks=[auto])
+        saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
+        trainer = _trainer(tmp_path, 20, callbacks=[auto, saver], enable_checkpointing=True)
         trainer.fit(Digits(lr=0.01, steps=20), loader())
-        ckpt = tmp_path / "mid.ckpt"
-        trainer.save_checkpoint(ckpt)
-        saved_history = [r.step for r in auto.engine.history]
+        ckpt = next((tmp_path / "ckpt").glob("*step=10.ckpt"))
+        saved_history = [r.step for r in auto.engine.history if r.step <= 10]
         again = AutoLR(probe_loss, probe=probe())
         trainer = _trainer(tmp_path, 20, callbacks=[again])
         trainer.fit(Digits(lr=0.01, steps=20), loader(), ckpt_path=ckpt)
+        # a longer run is another search plan (autolr's total_steps): refused, naming both lengths
+        with pytest.raises(hpx.ConfigError, match=r"total_steps=20, this engine has search\.total_steps=30"):
+            _trainer(tmp_path, 30, callbacks=[AutoLR(probe_loss, probe=probe())]).fit(
+                Digits(lr=0.01, steps=30), loader(), ckpt_path=ckpt)
     assert again.engine.step_count == 20
     assert [r.step for r in again.engine.history][: len(saved_history)] == saved_history
+    assert [r.bases for r in again.engine.history] == [r.bases for r in auto.engine.history]
 
 
 def test_bad_settings_are_named_together():
