@@ -58,11 +58,30 @@ def _dead_zone(tau: float) -> Callable[..., hpx.Engine]:
     return build
 
 
+def _sparse(min_gap: int, probe_batches: int) -> Callable[..., hpx.Engine]:
+    """Experiment: autolr with syncs at least ``min_gap`` steps apart and ``probe_batches`` probe
+    batches scored per sync (the library's are 40 syncs in the window and up to 4 batches)."""
+    import hpx.recipe as recipe
+
+    def build(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int,
+              seed: int) -> hpx.Engine:
+        syncs = max(1, min(40, round(0.4 * steps) // min_gap))
+        keep = recipe.Stretch, recipe._PROBE_BATCHES
+        recipe.Stretch = lambda n, span: Stretch(n, span=span, syncs=syncs)  # type: ignore[assignment]
+        recipe._PROBE_BATCHES = probe_batches
+        try:
+            return _autolr(task, model, opt, sched, steps, seed)
+        finally:
+            recipe.Stretch, recipe._PROBE_BATCHES = keep
+    return build
+
+
 # A method: f(task, model, optimizer, scheduler, steps, seed) -> an hpx.Engine to step.
 # "autolr" is the library's default (Stretch with dead_zone=0.2); "deadzone-<tau>" the same with
 # another dead zone ("deadzone-0" is the search without one, as it was before)
 METHODS: dict[str, Callable[..., hpx.Engine]] = {"autolr": _autolr, **{
-    f"deadzone-{tau:g}": _dead_zone(tau) for tau in (0.0, 0.1, 0.2, 0.3)}}
+    f"deadzone-{tau:g}": _dead_zone(tau) for tau in (0.0, 0.1, 0.2, 0.3)},
+    "sparse-5-1": _sparse(5, 1)}
 
 
 def _with_steps(task: Task, steps: int | None) -> Task:
