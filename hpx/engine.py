@@ -32,6 +32,7 @@ from typing import Any, Union
 
 import torch
 
+from hpx._health import _Health
 from hpx._run_state import _RunState
 from hpx._seed import derive_seed
 from hpx._shared_state import _SharedState, unshareable
@@ -221,6 +222,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         self._bad = torch.zeros(local, device=dev)  # ... and how many of its losses were non-finite
         self._acc_n = [0] * local  # ... and how many losses were recorded (host-side count)
         self._step_loss = torch.zeros(local, device=dev)  # this optimizer step's losses, summed
+        self._step_n = [0] * local  # ... and how many (host-side count)
+        self._grad_health = _Health(dev)  # shared mode: which gradients enter the mean (hpx/_health.py)
         self._fresh, self._reduced = True, False  # no backward yet in this step; mean not applied
         self._last: tuple[Any, LossFn | None] = (None, None)  # (batch, loss_fn) signals score on
         self.history: list[SyncRecord] = []
