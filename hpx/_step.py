@@ -93,7 +93,8 @@ class _TrainingStep:
                                    "optimizer step, while the replicas keep one gradient: modify gradients "
                                    "in place, or build the engine with shared_optimizer_state=False"])
             self._one.average_(self.collective, alias=alias)
-            self._left_out(~self._one.out)
+            out = self._one.out
+            self._left_out([not o for o in out] if isinstance(out, list) else ~out)
         elif self._grads is not None and not self._reduced:
             if self._fresh:  # no engine.backward this step: a loop of its own may have moved them
                 self._grads.adopt_()
@@ -101,10 +102,14 @@ class _TrainingStep:
                                                 grads=not scaled))
         self._reduced = True
 
-    def _left_out(self, ok: torch.Tensor) -> None:
+    def _left_out(self, ok: torch.Tensor | list[bool]) -> None:
         """Count the replicas whose finite loss was left out of this step's mean (a non-finite
         gradient, a blow-up) as non-finite for the interval: the sync then sees them as the worst,
         merges them with weight 0 and resets them. On the device, nothing read back."""
+        if isinstance(ok, list):  # the host's verdict
+            if all(ok):
+                return
+            ok = torch.tensor(ok)
         ok = ok.to(self._acc.device)
         out = ~ok & torch.isfinite(self._step_loss)  # a non-finite loss was counted already
         self._acc.sub_(torch.where(out, self._step_loss, 0.0))
@@ -212,16 +217,16 @@ class _ForeachMean:
 
     @torch.no_grad()
     def average_(self, losses: torch.Tensor, collective: Collective, health: _Health,
-                 grads: bool = True) -> torch.Tensor:
-        """The mean over the replicas ``health`` lets in; returns which (``[L]`` bool)."""
+                 grads: bool = True) -> list[bool]:
+        """The mean over the replicas ``health`` lets in; returns which."""
         norms = torch.stack([_norm([p.grad for p in ps if p.grad is not None]) for ps in self.params])
-        verdict = health.judge(losses, norms, grads)
-        ok = verdict.tolist()  # host tensors: reading them is free
+        ok = health.judge(losses, norms, grads)  # host tensors: reading them is free
+        assert isinstance(ok, list)
         if not any(ok):
             for ps in self.params:  # no replica to take a gradient from: a zero step, as DDP's mask
                 for p in ps:
                     p.grad = torch.zeros_like(p)
-            return verdict
+            return ok
         n = len(self.params[0])
         grads_ = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in ps] for ps in self.params]
         good = [g for g, f in zip(grads_, ok) if f]
@@ -239,7 +244,7 @@ class _ForeachMean:
                 if p.grad is None:
                     p.grad = g
             torch._foreach_copy_([p.grad for p in ps], mean)
-        return verdict
+        return ok
 
 
 class _OneGradient:
@@ -279,7 +284,9 @@ class _OneGradient:
         self._pairs = 0  # losses seen this step (host count)
         self._ran: int | torch.Tensor = 0  # ... of which let in (host int, or a device tensor)
         dev = self._buffers[0][0].device
-        self.out = torch.zeros(len(replicas), dtype=torch.bool, device=dev)  # replicas left out
+        # the replicas left out this step (a list on the host)
+        self.out: list[bool] | torch.Tensor = ([False] * len(replicas) if host
+                                               else torch.zeros(len(replicas), dtype=torch.bool, device=dev))
 
     def zero_(self) -> None:
         for one, scratch in self._buffers:
@@ -291,7 +298,10 @@ class _OneGradient:
                 p.grad = t
         self._pairs = 0
         self._ran = 0 if self.host else torch.zeros((), device=self._buffers[0][0].device)
-        self.out.zero_()
+        if isinstance(self.out, list):
+            self.out = [False] * len(self.out)
+        else:
+            self.out.zero_()
 
     def admit(self, loss: torch.Tensor, l: int) -> bool:
         """Whether local replica ``l``'s backward runs (on the host: only if its loss is finite).
@@ -312,7 +322,7 @@ class _OneGradient:
         """After local replica ``l``'s backward: its gradient into the one, if ``health`` lets it in."""
         if self.host:
             own = [(p.grad, t) for p, t in zip(self.params[l], self._into) if p.grad is not None]
-            ok = bool(health.judge(loss, _norm([g for g, _ in own]), grads))  # host: reading is free
+            ok = health.judge(loss, _norm([g for g, _ in own]), grads)[0]  # host: reading is free
             if ok:
                 torch._foreach_add_([t for _, t in own], [g for g, _ in own])
                 self._ran += 1
@@ -323,7 +333,9 @@ class _OneGradient:
             return
         dev = self._buffers[0][0].device
         scratch = [s for _, s in self._buffers if s is not None]
-        fine = health.judge(loss, _norm(scratch), grads).reshape(()).to(dev)
+        fine = health.judge(loss, _norm(scratch), grads)
+        assert torch.is_tensor(fine)
+        fine = fine.reshape(()).to(dev)
         self._ran = self._ran + fine
         self.out[l] |= ~fine
         for one, s in self._buffers:
@@ -414,20 +426,24 @@ class _GradBuckets:
             p.grad = v  # a new step starts from zero, in the buffer
 
     def average_(self, losses: torch.Tensor, collective: Collective, health: _Health,
-                 grads: bool = True) -> torch.Tensor:
+                 grads: bool = True) -> torch.Tensor | list[bool]:
         """Every replica's gradient <- mean over the replicas ``health`` lets in (on all ranks);
-        returns which (``[L]`` bool, on the device).
+        returns which (``[L]`` bool on the device, or a list on the host).
 
         Relies on :meth:`zero_` having put the views back before backward.
         """
         norms = torch.stack([torch.linalg.vector_norm(b, dim=1, dtype=torch.float32) for b in self.buffers])
-        ok = health.judge(losses, norms.norm(dim=0), grads)
-        if collective.world_size == 1 and losses.device.type == "cpu" and bool(ok.all()):
-            # One process with losses on the host (reading them waits for no device) and all
-            # let in: the plain mean, two ops per bucket instead of the masked reduction.
-            for buf in self.buffers:
-                buf.copy_(buf.mean(0, keepdim=True))
-            return ok
+        verdict = health.judge(losses, norms.norm(dim=0), grads)
+        if isinstance(verdict, list):  # on the host
+            if collective.world_size == 1 and all(verdict):
+                # One process with losses on the host (reading them waits for no device) and all
+                # let in: the plain mean, two ops per bucket instead of the masked reduction.
+                for buf in self.buffers:
+                    buf.copy_(buf.mean(0, keepdim=True))
+                return verdict
+            ok = torch.tensor(verdict, device=losses.device)
+        else:
+            ok = verdict
         sums = []
         for buf in self.buffers:
             buf.masked_fill_(~ok.to(buf.device)[:, None], 0)
@@ -438,7 +454,7 @@ class _GradBuckets:
         for buf, s in zip(self.buffers, sums):
             s.div_(count.to(s).clamp_min(1))
             buf.copy_(s.expand_as(buf))
-        return ok
+        return verdict
 
 
 def _split(batch: Any, n: int) -> list[Any]:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpx
+from hpx._health import _Health
 from hpx._step import _GradBuckets, _OneGradient
 from tests._dist import run_distributed
 
@@ -58,6 +59,7 @@ def _run(digits: Any, fault: str | None, path: str, local: int = 4) -> tuple[hpx
                         shared_optimizer_state=path != "foreach")
     if path == "one-device":  # the accelerator's path (scratch gradient, nothing read back), on the CPU
         engine._one = _OneGradient(engine.replicas, host=False)
+        engine._grad_health = _Health(torch.device("cpu"), host=False)  # judged on the "device"
     assert (engine._one is None) == (path == "foreach")
 
     def loss_fn(rep: hpx.Replica, b: Any) -> torch.Tensor:
