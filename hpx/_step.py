@@ -333,9 +333,8 @@ class _OneGradient:
             return
         dev = self._buffers[0][0].device
         scratch = [s for _, s in self._buffers if s is not None]
-        fine = health.judge(loss, _norm(scratch), grads)
-        assert torch.is_tensor(fine)
-        fine = fine.reshape(()).to(dev)
+        verdict = health.judge(loss, _norm(scratch), grads)  # a list if the health is judged on the host
+        fine = (verdict if torch.is_tensor(verdict) else torch.tensor(verdict)).reshape(()).to(dev)
         self._ran = self._ran + fine
         self.out[l] |= ~fine
         for one, s in self._buffers:
