@@ -114,8 +114,9 @@ def parts(task_name: str, sync_every: int = 100, n: int = 2000) -> dict[str, flo
             f()
         return 1e6 * (time.perf_counter() - s) / n
 
-    grads = engine._grads
-    return {"gradient mean (_GradBuckets.average_)": tm(lambda: grads.average_(lt, engine.collective)),
+    grads, health = engine._grads, engine._grad_health
+    return {"gradient mean (_GradBuckets.average_)":
+            tm(lambda: grads.average_(lt, engine.collective, health)),
             "gradient zero (_GradBuckets.zero_)": tm(grads.zero_),
             "schedule values written (Engine._write)": tm(engine._write),
             "batch split (_split)": tm(lambda: _split(batch, engine.n_local))}

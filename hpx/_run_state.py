@@ -6,6 +6,7 @@ layout are :mod:`hpx.checkpoint`'s.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
@@ -213,7 +214,7 @@ class _RunState:
                                             s.get("optimizer_type"))
         return problems
 
-    def _check_agreement(self, *, settle: bool) -> None:
+    def _check_agreement(self, *, settle: bool, when: str | None = None) -> None:
         """Raise :class:`ConsistencyError` on every rank if the ranks were built or resumed
         differently (settings, knobs, search, signal, model, or, once ``settle``, the step and
         next sync). One gather, at construction and at the first step after a load: ranks that
@@ -228,11 +229,29 @@ class _RunState:
         items += [("knobs", [(k.name, type(k).__name__, k.kind) for k in self.knobs]),
                   ("search", repr(self.search)),
                   ("signal", type(self.signal).__name__),
+                  ("the signal's data (length, batches per sync, eval mode, digest)",
+                   getattr(self.signal, "_spec", lambda: None)()),
+                  ("optimizer settings (other than what knobs write)", self._optimizer_settings()),
+                  ("the settings knobs scale (each group's lr under LearningRateScale)",
+                   [getattr(s, "groups", None) for s in (row[0] for row in self._setters)]),
                   ("model parameters",
                    [(n, tuple(p.shape), str(p.dtype)) for n, p in base.named_parameters()])]
         dev = self._acc.device if hasattr(self, "_acc") else next(
             (p.device for p in base.parameters()), torch.device("cpu"))
-        agree(self.collective, items, "resuming" if settle else "building the engine", dev)
+        agree(self.collective, items, when or ("resuming" if settle else "building the engine"), dev)
+
+    def _optimizer_settings(self) -> list[dict[str, Any]]:
+        """Local replica 0's optimizer: every parameter group's settings but its parameters and
+        what the knobs write (which differs from replica to replica)."""
+        written = {(i, s.key) for row in self._setters for s in row[:1] if s is not None
+                   for i, _ in getattr(s, "groups", ())}
+        groups = self.replicas[0].optimizer.param_groups
+        return [{k: v for k, v in sorted(g.items()) if k != "params" and (i, k) not in written}
+                for i, g in enumerate(groups)]
+
+    def _optimizer_digest(self) -> int:
+        """A CRC-32 of :meth:`_optimizer_settings` (host work only: a few dicts)."""
+        return zlib.crc32(repr(self._optimizer_settings()).encode())
 
 
 # EngineConfig fields that change what a run computes: a resumed engine must share them

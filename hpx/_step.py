@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hpx._health import _Health, _norm
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError
 from hpx.replica import Replica
@@ -50,7 +51,7 @@ class _TrainingStep:
         ConfigError.check(problems)
         losses = []
         try:
-            for rep, part in zip(self.replicas, parts):
+            for l, (rep, part) in enumerate(zip(self.replicas, parts)):
                 loss = loss_fn(rep, part)
                 if not torch.is_tensor(loss) or loss.numel() != 1:
                     raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
@@ -58,9 +59,9 @@ class _TrainingStep:
                 out = loss * scale if scale != 1 else loss
                 if not self._one_step:
                     (scaler.scale(out) if scaler is not None else out).backward()
-                elif self._one.admit(loss):  # on the host: not into the one gradient if non-finite
+                elif self._one.admit(loss, l):  # on the host: not into the one gradient if non-finite
                     (scaler.scale(out) if scaler is not None else out).backward()
-                    self._one.ran(loss)
+                    self._one.ran(loss, l, self._grad_health, grads=scaler is None)
                 losses.append(loss.detach().reshape(()))
         except BaseException:
             # some replicas ran their backward, others did not: the whole optimizer step is dropped,
@@ -90,7 +91,7 @@ class _TrainingStep:
             return list(batches), batches[0]
         return _split(batch, self.n_local), batch
 
-    def _reduce(self, alias: bool) -> None:
+    def _reduce(self, alias: bool, scaled: bool = False) -> None:
         # alias: every replica's gradient may be the one mean tensor (one shared optimizer
         # state reads it once; unscaling or clipping each replica's would repeat the work)
         if self._one_step and not self._reduced:
@@ -99,11 +100,27 @@ class _TrainingStep:
                                    "optimizer step, while the replicas keep one gradient: modify gradients "
                                    "in place, or build the engine with shared_optimizer_state=False"])
             self._one.average_(self.collective, alias=alias)
+            out = self._one.out
+            self._left_out([not o for o in out] if isinstance(out, list) else ~out)
         elif self._grads is not None and not self._reduced:
             if self._fresh:  # no engine.backward this step: a loop of its own may have moved them
                 self._grads.adopt_()
-            self._grads.average_(self._step_loss, self.collective)
+            self._left_out(self._grads.average_(self._step_loss, self.collective, self._grad_health,
+                                                grads=not scaled))
         self._reduced = True
+
+    def _left_out(self, ok: torch.Tensor | list[bool]) -> None:
+        """Count the replicas whose finite loss was left out of this step's mean (a non-finite
+        gradient, a blow-up) as non-finite for the interval: the sync then sees them as the worst,
+        merges them with weight 0 and resets them. On the device, nothing read back."""
+        if isinstance(ok, list):  # the host's verdict
+            if all(ok):
+                return
+            ok = torch.tensor(ok)
+        ok = ok.to(self._acc.device)
+        out = ~ok & torch.isfinite(self._step_loss)  # a non-finite loss was counted already
+        self._acc.sub_(torch.where(out, self._step_loss, 0.0))
+        self._bad.add_(out * torch.tensor(self._step_n, dtype=self._bad.dtype).to(self._bad.device))
 
     def _optimizer_step(self, max_grad_norm: float | None, scaler: Any) -> torch.Tensor | None:
         if self._fresh:
@@ -118,7 +135,7 @@ class _TrainingStep:
         norms = None
         if self._state is not None:  # one state, one mean gradient: unscale, clip and step once
             self._state.check()
-            self._reduce(alias=True)
+            self._reduce(alias=True, scaled=scaler is not None)
             self._state.attach()
             if scaler is not None:
                 scaler.unscale_(self._state)
@@ -129,7 +146,7 @@ class _TrainingStep:
             else:
                 self._state.step()
         else:
-            self.reduce()
+            self._reduce(alias=False, scaled=scaler is not None)
             if scaler is not None:
                 for r in self.replicas:
                     scaler.unscale_(r.optimizer)
@@ -164,6 +181,7 @@ class _TrainingStep:
             self._bad[idx] += ~ok
         for l in which:
             self._acc_n[l] += 1
+            self._step_n[l] += 1
 
     def _advance(self, batch: Any, loss_fn: LossFn | None) -> None:
         self._check_factors()
@@ -177,6 +195,9 @@ class _TrainingStep:
             self._check_agreement(settle=True)
         self._fresh, self._reduced, self._one_step = True, False, False
         self._step_loss.zero_()
+        self._step_n = [0] * self.n_local
+        if self._shared:
+            self._grad_health.close()
         self.step_count += 1
         if self.step_count == self._past_end:
             self._warn_past_end()
@@ -204,16 +225,20 @@ class _ForeachMean:
         return None
 
     @torch.no_grad()
-    def average_(self, losses: torch.Tensor, collective: Collective) -> None:
-        ok = [math.isfinite(v) for v in losses.tolist()]  # host tensors: reading them is free
+    def average_(self, losses: torch.Tensor, collective: Collective, health: _Health,
+                 grads: bool = True) -> list[bool]:
+        """The mean over the replicas ``health`` lets in; returns which."""
+        norms = torch.stack([_norm([p.grad for p in ps if p.grad is not None]) for ps in self.params])
+        ok = health.judge(losses, norms, grads)  # host tensors: reading them is free
+        assert isinstance(ok, list)
         if not any(ok):
             for ps in self.params:  # no replica to take a gradient from: a zero step, as DDP's mask
                 for p in ps:
                     p.grad = torch.zeros_like(p)
-            return
+            return ok
         n = len(self.params[0])
-        grads = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in ps] for ps in self.params]
-        good = [g for g, f in zip(grads, ok) if f]
+        grads_ = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in ps] for ps in self.params]
+        good = [g for g, f in zip(grads_, ok) if f]
         if self._mean is None or any(m.shape != g.shape or m.dtype != g.dtype
                                      for m, g in zip(self._mean, good[0])) or len(self._mean) != n:
             self._mean = [torch.empty_like(g) for g in good[0]]
@@ -223,11 +248,12 @@ class _ForeachMean:
             torch._foreach_add_(mean, g)
         if len(good) > 1:
             torch._foreach_mul_(mean, 1.0 / len(good))
-        for ps, gs in zip(self.params, grads):
+        for ps, gs in zip(self.params, grads_):
             for p, g in zip(ps, gs):
                 if p.grad is None:
                     p.grad = g
             torch._foreach_copy_([p.grad for p in ps], mean)
+        return ok
 
 
 class _OneGradient:
@@ -265,7 +291,11 @@ class _OneGradient:
                 self._into[i] = chunk.view(first[i].shape)
             self._buffers.append((one, scratch))
         self._pairs = 0  # losses seen this step (host count)
-        self._ran: int | torch.Tensor = 0  # ... of which finite (host int, or a device tensor)
+        self._ran: int | torch.Tensor = 0  # ... of which let in (host int, or a device tensor)
+        dev = self._buffers[0][0].device
+        # the replicas left out this step (a list on the host)
+        self.out: list[bool] | torch.Tensor = ([False] * len(replicas) if host
+                                               else torch.zeros(len(replicas), dtype=torch.bool, device=dev))
 
     def zero_(self) -> None:
         for one, scratch in self._buffers:
@@ -277,28 +307,50 @@ class _OneGradient:
                 p.grad = t
         self._pairs = 0
         self._ran = 0 if self.host else torch.zeros((), device=self._buffers[0][0].device)
+        if isinstance(self.out, list):
+            self.out = [False] * len(self.out)
+        else:
+            self.out.zero_()
 
-    def admit(self, loss: torch.Tensor) -> bool:
-        """Whether this replica's backward runs (on the host: only if its loss is finite)."""
+    def admit(self, loss: torch.Tensor, l: int) -> bool:
+        """Whether local replica ``l``'s backward runs (on the host: only if its loss is finite).
+        On the host its backward then writes a gradient of its own, judged before it is added."""
         self._pairs += 1
         if not self.host:
             return True
         ok = math.isfinite(float(loss.detach()))  # a host tensor: reading it is free
-        self._ran += ok
+        if not ok:
+            self.out[l] = True
+            return False
+        for p in self.params[l]:
+            p.grad = None  # autograd stores the gradient it computed, no copy
         return ok
 
     @torch.no_grad()
-    def ran(self, loss: torch.Tensor) -> None:
-        """After a replica's backward (off the host): its gradient into the one, if its loss is finite."""
+    def ran(self, loss: torch.Tensor, l: int, health: _Health, grads: bool = True) -> None:
+        """After local replica ``l``'s backward: its gradient into the one, if ``health`` lets it in."""
         if self.host:
+            own = [(p.grad, t) for p, t in zip(self.params[l], self._into) if p.grad is not None]
+            ok = health.judge(loss, _norm([g for g, _ in own]), grads)[0]  # host: reading is free
+            if ok:
+                torch._foreach_add_([t for _, t in own], [g for g, _ in own])
+                self._ran += 1
+            else:
+                self.out[l] = True
+            for p, t in zip(self.params[l], self._into):
+                p.grad = t
             return
-        ok = torch.isfinite(loss.detach()).reshape(())
-        self._ran = self._ran + ok.to(self._buffers[0][0].device)
-        for one, scratch in self._buffers:
-            assert scratch is not None
-            scratch.masked_fill_(~ok.to(scratch.device), 0)  # never multiplied: 0 * NaN is NaN
-            one.add_(scratch)
-            scratch.zero_()
+        dev = self._buffers[0][0].device
+        scratch = [s for _, s in self._buffers if s is not None]
+        verdict = health.judge(loss, _norm(scratch), grads)  # a list if the health is judged on the host
+        fine = (verdict if torch.is_tensor(verdict) else torch.tensor(verdict)).reshape(()).to(dev)
+        self._ran = self._ran + fine
+        self.out[l] |= ~fine
+        for one, s in self._buffers:
+            assert s is not None
+            s.masked_fill_(~fine.to(s.device), 0)  # never multiplied: 0 * NaN is NaN
+            one.add_(s)
+            s.zero_()
 
     def intact(self) -> bool:
         """Whether every replica's gradient is still where backward was to write it."""
@@ -381,18 +433,25 @@ class _GradBuckets:
         for p, v in self._views:
             p.grad = v  # a new step starts from zero, in the buffer
 
-    def average_(self, losses: torch.Tensor, collective: Collective) -> None:
-        """Every replica's gradient <- mean over replicas with finite loss (on all ranks).
+    def average_(self, losses: torch.Tensor, collective: Collective, health: _Health,
+                 grads: bool = True) -> torch.Tensor | list[bool]:
+        """Every replica's gradient <- mean over the replicas ``health`` lets in (on all ranks);
+        returns which (``[L]`` bool on the device, or a list on the host).
 
         Relies on :meth:`zero_` having put the views back before backward.
         """
-        if collective.world_size == 1 and losses.device.type == "cpu" and math.isfinite(float(losses.sum())):
-            # One process with losses on the host (reading them waits for no device) and all
-            # finite: the plain mean, two ops per bucket instead of the masked reduction.
-            for buf in self.buffers:
-                buf.copy_(buf.mean(0, keepdim=True))
-            return
-        ok = torch.isfinite(losses)
+        norms = torch.stack([torch.linalg.vector_norm(b, dim=1, dtype=torch.float32) for b in self.buffers])
+        verdict = health.judge(losses, norms.norm(dim=0), grads)
+        if isinstance(verdict, list):  # on the host
+            if collective.world_size == 1 and all(verdict):
+                # One process with losses on the host (reading them waits for no device) and all
+                # let in: the plain mean, two ops per bucket instead of the masked reduction.
+                for buf in self.buffers:
+                    buf.copy_(buf.mean(0, keepdim=True))
+                return verdict
+            ok = torch.tensor(verdict, device=losses.device)
+        else:
+            ok = verdict
         sums = []
         for buf in self.buffers:
             buf.masked_fill_(~ok.to(buf.device)[:, None], 0)
@@ -403,6 +462,7 @@ class _GradBuckets:
         for buf, s in zip(self.buffers, sums):
             s.div_(count.to(s).clamp_min(1))
             buf.copy_(s.expand_as(buf))
+        return verdict
 
 
 def _split(batch: Any, n: int) -> list[Any]:

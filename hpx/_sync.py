@@ -15,7 +15,7 @@ import torch
 
 from hpx.averaging import average_, float_state, optimizer_state_tensors
 from hpx.averaging import params as _params
-from hpx.errors import ConfigError, NonFiniteError
+from hpx.errors import ConfigError, ConsistencyError, NonFiniteError
 from hpx.search.base import Decision, SyncView
 from hpx.signals import IntervalLoss, LossFn, SyncContext
 from hpx.sync_record import SyncRecord
@@ -159,11 +159,44 @@ class _Syncing:
                 raise ValueError(f"signal returned {scores.numel()} scores for {self.n_local} local replicas")
             measured.append(scores)
         fine = self._health().to(scores) if health else torch.zeros_like(scores)  # else checked later
-        rows = torch.stack([*measured, fine, self._bad.to(scores)])
-        rows = self.collective.all_gather(rows).to("cpu", torch.float64)  # [W, R + 2, L]: the host read
+        rows = [*measured, fine, self._bad.to(scores)]
+        world = self.collective.world_size
+        if world > 1:  # what the ranks must share at every sync, in the same gather (exact in float32)
+            digest = getattr(self.signal, "_sync_digest", None)
+            header = [self.step_count, self._optimizer_digest(),
+                      digest() if digest is not None and self._controls_now() else 0]
+            halves = [float(h) for v in header for h in divmod(v % 2**32, 65536)]
+            rows += [torch.full_like(scores, h) for h in halves]
+        rows = self.collective.all_gather(torch.stack(rows)).to("cpu", torch.float64)  # the host read
+        if world > 1:
+            self._check_header(rows[:, rounds + 2:, 0].reshape(world, -1, 2))
         # point p = j N + g sits at [rank of g, round j, local index of g]
         scores = rows[:, :rounds, :].transpose(0, 1).reshape(-1)
         return scores, rows[:, rounds, :].reshape(-1), rows[:, rounds + 1, :].reshape(-1)
+
+    def _check_header(self, halves: torch.Tensor) -> None:
+        """Raise :class:`ConsistencyError` on every rank (all see the same gathered ``[W, 3, 2]``
+        halves) unless every rank is at the same step, with the same optimizer settings, and
+        scored on the same probe data."""
+        values = (halves[..., 0] * 65536 + halves[..., 1]).to(torch.int64).tolist()
+        problems = []
+        steps = [v[0] for v in values]
+        if len(set(steps)) > 1:
+            have = ", ".join(f"rank {r} is at step {s}" for r, s in enumerate(steps))
+            problems.append(f"the ranks sync at different steps ({have}): every rank must run the same "
+                            "number of optimizer steps (engine.step / engine.advance) between syncs, so "
+                            "give every rank as many batches (drop_last=True, one length per rank)")
+        for j, what, fix in ((1, "optimizer settings (other than what knobs write)",
+                              "build every rank's optimizer with the same settings"),
+                             (2, "probe data (the batches the signal scored on at this sync)",
+                              "give every rank the same probe batches, in the same order (no "
+                              "DistributedSampler on the probe loader)")):
+            odd = [r for r, v in enumerate(values) if v[j] != values[0][j]]
+            if odd:
+                problems.append(f"rank(s) {odd} differ from rank 0 in their {what}: {fix}")
+        if problems:
+            raise ConsistencyError(f"at the sync of step {self.step_count} the ranks disagree, so their "
+                                   f"scores and collectives no longer pair up: {'; '.join(problems)}")
 
     def _health(self) -> torch.Tensor:
         """``[L]``: finite iff the local replica's weights and buffers all are."""

@@ -67,7 +67,7 @@ from hpx._loading import (
     _together,
 )
 from hpx.engine import Engine
-from hpx.errors import ConfigError
+from hpx.errors import ConfigError, NonFiniteError
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -78,8 +78,9 @@ _CANDIDATES = 32  # newest complete steps each rank offers when the ranks agree 
 
 
 def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
-                    extra: Mapping[str, Any] | None = None, keep: int = 2) -> Path:
-    """Save this rank's part of the run at ``engine.step_count``; return the file written.
+                    extra: Mapping[str, Any] | None = None, keep: int = 2) -> Path | None:
+    """Save this rank's part of the run at ``engine.step_count``; return the file written, or
+    ``None`` when a replica's weights are non-finite (nothing is written).
 
     Args:
         directory: the run's checkpoint directory (created if needed; shared by the ranks
@@ -97,6 +98,11 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
 
     Every rank must call it at the same step. Saves are atomic per file: a process
     killed during a save leaves the previous checkpoints as they were.
+
+    A step at which some replica's weights are NaN or inf (on any rank) is not saved: a resumed
+    run would start from them. Every rank skips it alike, with a warning, and the previous
+    checkpoints stay; the next sync resets such a replica from the others, so a save after it
+    goes through.
     """
     problems = []
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
@@ -107,6 +113,12 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
                         "before, the others only the new one. Give keep=2 or more")
     problems += _extra_problems(extra)
     ConfigError.check(problems)
+    unsound = _unsound(engine)
+    if unsound:
+        log.warning("step %d not saved: the weights of replica(s) %s are non-finite, and a checkpoint "
+                    "must not resume from them (the previous checkpoints are kept; the next sync resets "
+                    "such replicas from the others, save after it)", engine.step_count, unsound)
+        return None
     rank = _processes(engine).rank
     state = {
         "format": _FORMAT,
@@ -144,6 +156,16 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
             tmp.unlink()
     _prune(Path(directory), rank, keep, engine.step_count)
     return path
+
+
+def _unsound(engine: Engine) -> list[int]:
+    """The replicas (global indices) whose weights or floating buffers are non-finite, the same
+    list on every rank (one pass over the weights and one gather)."""
+    try:
+        sound = engine._sound()
+    except NonFiniteError:
+        return list(range(engine.n_replicas))
+    return (~sound).nonzero().reshape(-1).tolist()
 
 
 def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,

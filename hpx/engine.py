@@ -33,6 +33,7 @@ from typing import Any, Union
 
 import torch
 
+from hpx._health import _Health
 from hpx._run_state import _RunState
 from hpx._seed import derive_seed
 from hpx._shared_state import _SharedState, unshareable
@@ -225,6 +226,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         self._bad = torch.zeros(local, device=dev)  # ... and how many of its losses were non-finite
         self._acc_n = [0] * local  # ... and how many losses were recorded (host-side count)
         self._step_loss = torch.zeros(local, device=dev)  # this optimizer step's losses, summed
+        self._step_n = [0] * local  # ... and how many (host-side count)
+        self._grad_health = _Health(dev)  # shared mode: which gradients enter the mean (hpx/_health.py)
         self._fresh, self._reduced = True, False  # no backward yet in this step; mean not applied
         self._last: tuple[Any, LossFn | None] = (None, None)  # (batch, loss_fn) signals score on
         self.history: list[SyncRecord] = []
@@ -366,7 +369,10 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
     def converge(self) -> torch.nn.Module:
         """Average every replica's weights now, leaving out non-finite ones, and
         return local replica 0's model (the consensus). Use it at the end of
-        training; under torch.distributed every rank must call it."""
+        training; under torch.distributed every rank must call it, at the same step (checked:
+        :class:`~hpx.ConsistencyError` on every rank otherwise)."""
+        if self.collective.world_size > 1:
+            self._check_agreement(settle=True, when="converging at the end of training")
         if not self._converge(torch.ones(self.n_replicas, dtype=torch.float64), average=True, check=True):
             self._converge(self._sound().to(torch.float64), average=True)  # leave the non-finite out
         return self.replicas[0].model

@@ -14,6 +14,7 @@ example, scoring an average of each replica's recent weights) by implementing it
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -216,6 +217,17 @@ def _leaves(x: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _leaves(v, f"{where}[{k!r}]")
 
 
+def _crc(batches: Any) -> int:
+    """A CRC-32 of the host tensors in ``batches`` (their shapes, dtypes and bytes); tensors on
+    a device are left out (reading them back would cost a copy)."""
+    crc = 0
+    for where, t in _leaves(batches, ""):
+        crc = zlib.crc32(f"{where}{tuple(t.shape)}{t.dtype}".encode(), crc)
+        if t.device.type == "cpu" and t.numel():
+            crc = zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), crc)
+    return crc
+
+
 class ProbeStream:
     """Every replica scored at the sync on held-out batches the user supplies.
 
@@ -253,6 +265,7 @@ class ProbeStream:
         self._pos = 0  # batches consumed since the start of the run
         self._held: list[Any] | None = None  # this sync's batches (rounds after the first reuse them)
         self._checked = isinstance(data, (list, tuple))
+        self._content: int | None = None  # a digest of list data (see _spec)
 
     def _next(self) -> Any:
         for _ in range(2):
@@ -278,6 +291,20 @@ class ProbeStream:
         if ctx.round == 0 or self._held is None:  # later rounds of a sync: the same batches
             self._held = [self._next() for _ in range(self.batches)]
         return _score(ctx.replicas, self._held, fn, self.eval_mode)
+
+    def _spec(self) -> tuple[Any, ...]:
+        """What every rank's stream must share, for the ranks' agreement at construction: the
+        data's length, the batches per sync, the mode, and a digest of the data when it is a
+        list or tuple (computed once)."""
+        if self._content is None and isinstance(self.data, (list, tuple)):
+            self._content = _crc(self.data)
+        return (len(self.data) if isinstance(self.data, Sized) else None, self.batches, self.eval_mode,
+                self._content)
+
+    def _sync_digest(self) -> int:
+        """A digest of the batches this sync scored on (host tensors; 0 for data on a device,
+        which is not read back), for the ranks' agreement at every sync."""
+        return 0 if self._held is None else _crc(self._held)
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self._pos}
