@@ -20,21 +20,9 @@ from torch import nn
 import hpx
 import hpx.checkpoint as ckpt
 from tests._digits import ce, data, mlp
+from tests.test_checkpoint import Counter
 
 T = 4
-
-
-class Counter:
-    """Something with state, as an LR scheduler has."""
-
-    def __init__(self) -> None:
-        self.n = 0
-
-    def state_dict(self) -> dict:
-        return {"n": self.n}
-
-    def load_state_dict(self, s: dict) -> None:
-        self.n = s["n"]
 
 
 def _engine(opt: str = "sgd", replicas: int = 2, **kw: Any) -> hpx.Engine:

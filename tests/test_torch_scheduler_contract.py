@@ -289,21 +289,18 @@ def test_step_with_an_epoch_is_torchs_epoch(name: str) -> None:
     make = EPOCH_SCHEDULERS[name]
     for epochs in ([2] * 10, list(range(20))):
         ref_opt, opt = _opt(), _opt()
-        ref, sched = make(ref_opt), _explore(make(opt))
-        for e in epochs:
-            ref_opt.step(), opt.step()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                ref.step(e)
-            _epoch_warned(sched, e)
-            _same(opt, ref_opt, e)
-            assert sched.last_epoch == ref.last_epoch == e
+        _step_both_by_epochs(make(ref_opt), _explore(make(opt)), ref_opt, opt, epochs)
 
 
 def test_onecycle_step_with_an_epoch_is_torchs_epoch() -> None:
     ref_opt, opt = _opt(), _opt()
     ref, sched = _both_onecycle(ref_opt, opt, max_lr=0.1, total_steps=20)
-    for e in [3, 3, 7, 4, 20]:
+    _step_both_by_epochs(ref, sched, ref_opt, opt, [3, 3, 7, 4, 20])
+
+
+def _step_both_by_epochs(ref, sched, ref_opt, opt, epochs) -> None:
+    """torch's scheduler and hpx's stepped with the same epochs: the same lrs, counters and warning."""
+    for e in epochs:
         ref_opt.step(), opt.step()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
