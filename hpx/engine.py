@@ -143,7 +143,9 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
             raise ConfigError([f"history_file={cfg.history_file!r} is a directory: give a file's path in it, "
                                f"e.g. {os.path.join(cfg.history_file, 'history.jsonl')!r}"])
         if not isinstance(model, torch.nn.Module):
-            raise ConfigError([f"model must be a torch.nn.Module (got {type(model).__name__})"])
+            raise ConfigError([f"model must be a torch.nn.Module (got {type(model).__name__}): pass the "
+                               "model first, then the optimizer factory: hpx.Engine(model, lambda m: ..., "
+                               "knobs)"])
         ConfigError.check(_checks.backend_problems(backend) + _checks.knobs_problems(knobs))
         self.collective: Collective = backend if backend is not None else default_backend()
         self.knobs = knobs if isinstance(knobs, Knobs) else Knobs(*knobs)
