@@ -486,6 +486,20 @@ def test_a_negative_schedule_factor_stops_the_next_step() -> None:
     assert all(torch.equal(a[k], b[k]) for a, b in zip(before, after) for k in a)
 
 
+def test_a_schedule_that_returns_none_mid_run_stops_the_next_step() -> None:
+    engine = _engine(knobs=[hpx.LearningRate(spread=0.3, schedule=lambda t: 1.0 if t < 3 else None)])
+    for _ in range(3):
+        engine.step(_ce, _xy(8))
+    before = copy.deepcopy(engine.state_dict())
+    with pytest.raises(hpx.ConfigError) as err:
+        engine.step(_ce, _xy(8))
+    assert "its schedule returned None at step 3" in str(err.value) and "return" in str(err.value)
+    after = engine.state_dict()
+    assert after["step"] == before["step"] == 3
+    for a, b in zip(before["replicas"], after["replicas"]):
+        assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
 def test_one_replica_with_a_spread_warns(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level("WARNING", logger="hpx"):
         _engine(replicas=1)
