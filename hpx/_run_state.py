@@ -172,6 +172,13 @@ class _RunState:
         if state.get("format") not in (1, 2):
             problems.append(f"unknown checkpoint format {state.get('format')!r} (expected 1 or 2)")
             return problems
+        needed = ("step", "knobs", "slots", "acc", "acc_n", "history",
+                  "search" if state.get("format") == 2 else "controller",
+                  *(("next_sync",) if elastic else ()))
+        missing = [k for k in needed if k not in state]
+        if missing:
+            return [f"the checkpoint lacks {missing}: it is damaged or was not written by "
+                    "Engine.state_dict(); resume from an intact checkpoint (delete the damaged step folder)"]
         reps = state.get("replicas", [])
         if elastic:
             pass

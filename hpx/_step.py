@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hpx import _checks
 from hpx._health import _Health, _norm
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError
@@ -24,6 +25,7 @@ class _TrainingStep:
     def _backward(self, loss_fn: LossFn, batch: Any, batches: Sequence[Any] | None, scale: float,
                   scaler: Any) -> torch.Tensor:
         self._check_factors()
+        _checks.check(_checks.loss_fn_problems(loss_fn, batch) + _checks.scale_problems(scale, scaler))
         parts, shared = self._parts(batch, batches)
         if self._fresh:  # the first micro-batch of an optimizer step
             prepare = getattr(self.signal, "prepare", None)
@@ -42,25 +44,18 @@ class _TrainingStep:
                     r.optimizer.zero_grad(set_to_none=True)
             self._fresh, self._reduced = False, False
             self._last = (shared, loss_fn)
-        problems = []
-        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not 0 < scale < math.inf:
-            problems.append(f"scale must be a number > 0 (got {scale!r}): 1 / k when accumulating k "
-                            "micro-batches")
-        if scaler is not None and not callable(getattr(scaler, "scale", None)):
-            problems.append(f"scaler must be a torch.amp.GradScaler or None (got {scaler!r})")
-        ConfigError.check(problems)
         losses = []
         try:
             for l, (rep, part) in enumerate(zip(self.replicas, parts)):
-                loss = loss_fn(rep, part)
+                loss = _called(loss_fn, rep, part)
                 if not torch.is_tensor(loss) or loss.numel() != 1:
                     raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
                                     f"of shape {getattr(loss, 'shape', None)})")
                 out = loss * scale if scale != 1 else loss
                 if not self._one_step:
-                    (scaler.scale(out) if scaler is not None else out).backward()
+                    _backward_of(scaler.scale(out) if scaler is not None else out, rep, loss)
                 elif self._one.admit(loss, l):  # on the host: not into the one gradient if non-finite
-                    (scaler.scale(out) if scaler is not None else out).backward()
+                    _backward_of(scaler.scale(out) if scaler is not None else out, rep, loss)
                     self._one.ran(loss, l, self._grad_health, grads=scaler is None)
                 losses.append(loss.detach().reshape(()))
         except BaseException:
@@ -76,6 +71,7 @@ class _TrainingStep:
 
     def _parts(self, batch: Any, batches: Sequence[Any] | None) -> tuple[list[Any], Any]:
         """Each local replica's part of the batch, and what signals score every replica on."""
+        _checks.check(_checks.batch_problems(batch, batches))
         if batches is not None:
             if batch is not None:
                 raise ConfigError(["give batch or batches, not both"])
@@ -126,9 +122,11 @@ class _TrainingStep:
         if self._fresh:
             raise ConfigError(["optimizer_step() found no gradients: call engine.backward(loss_fn, batch) "
                                "first (once per micro-batch)"])
+        problems = _checks.scaler_problems(scaler)
         if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
                                               and not isinstance(max_grad_norm, bool) and max_grad_norm > 0):
-            raise ConfigError([f"max_grad_norm must be a number > 0 or None (got {max_grad_norm!r})"])
+            problems.append(f"max_grad_norm must be a number > 0 or None (got {max_grad_norm!r})")
+        ConfigError.check(problems)
         if self.step_count + 1 >= self._next_sync:  # once per interval: no host read on other steps
             self._check_written()
         clip, cap = torch.nn.utils.clip_grad_norm_, max_grad_norm
@@ -164,6 +162,7 @@ class _TrainingStep:
         return norms
 
     def _record(self, loss: torch.Tensor, replica: int) -> None:
+        _checks.check(_checks.record_problems(loss, replica, self.n_local))
         lt = loss.detach().reshape(1).to(self._acc.dtype)
         self._accumulate(lt, [replica])
         self._step_loss[replica] += lt[0]  # a non-finite loss keeps the replica out of the mean
@@ -510,6 +509,25 @@ def _cut(batch: Any, n: int) -> list[Any]:
         cols = {k: _cut(v, n) for k, v in batch.items()}
         return [{k: v[i] for k, v in cols.items()} for i in range(n)]
     return [batch] * n
+
+
+def _called(loss_fn: LossFn, rep: Replica, part: Any) -> Any:
+    """``loss_fn(rep, part)``; given no batch (``None``), a failure in it is named as that mistake."""
+    if part is not None:
+        return loss_fn(rep, part)
+    try:
+        return loss_fn(rep, part)
+    except (TypeError, AttributeError, IndexError, KeyError) as e:
+        raise ConfigError([f"loss_fn failed on batch None ({type(e).__name__}: {e}): the step was given no "
+                           "batch; pass it, engine.step(loss_fn, (x, y)), or batches=[...], one per "
+                           "local replica"]) from e
+
+
+def _backward_of(out: torch.Tensor, rep: Replica, loss: torch.Tensor) -> None:
+    """``out.backward()``, with a loss that has no gradient named as the mistake it is."""
+    if not out.requires_grad:
+        raise ConfigError([_checks.no_grad_problem(rep.model, loss, rep.index)])
+    out.backward()
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:

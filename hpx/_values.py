@@ -86,6 +86,10 @@ class _KnobValues:
     def _check_factors(self) -> None:
         if self._bad_factor is not None:
             name, scale, step = self._bad_factor
+            if not isinstance(scale, float):  # not a number at all
+                raise ConfigError([f"knob {name!r}: its schedule returned {scale!r} at step {step}; a "
+                                   "schedule must return a number, the factor on the base (1 at the peak): "
+                                   "does it lack a return statement?"])
             raise ConfigError([f"knob {name!r}: its schedule gave the factor {scale!r} at step {step}; a "
                                "schedule's factors must be finite and >= 0 (a negative learning rate "
                                "trains uphill); is total_steps shorter than the run?"])
@@ -96,12 +100,13 @@ class _KnobValues:
         knobs = self.knobs._knobs
         for i in which:
             k = knobs[i]
-            scale = k.scale(self.step_count)
+            raw = k.scale(self.step_count)
+            scale = _number(raw)
             self._scales[i] = scale
             if not 0.0 <= scale < math.inf and self._bad_factor is None:  # also catches NaN
                 # raised when a step would train with it: torch's own OneCycleLR (linear) goes
                 # below 0 at total_steps, after the last step, and hpx writes what torch writes
-                self._bad_factor = (k.name, scale, self.step_count)
+                self._bad_factor = (k.name, raw if math.isnan(scale) else scale, self.step_count)
             written, setters, vals = self._written[i], self._setters[i], self._local_values[i]
             for l, rep in enumerate(self.replicas):
                 v = vals[l] * scale
@@ -110,6 +115,14 @@ class _KnobValues:
                     rep._values[k.name] = v
                     if setters[l] is not None:
                         setters[l](v)
+
+
+def _number(factor: object) -> float:
+    """A schedule's factor as a float; NaN when it is not a number (``None``: a missing return)."""
+    try:
+        return float(factor)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        return math.nan
 
 
 def _writes_optimizer(knob: Knob) -> bool:

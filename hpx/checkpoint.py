@@ -104,6 +104,7 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     checkpoints stay; the next sync resets such a replica from the others, so a save after it
     goes through.
     """
+    ConfigError.check(_call_problems("save_checkpoint", directory, engine))
     problems = []
     if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
         problems.append(f"keep must be an integer >= 1 (got {keep!r}): complete checkpoints to keep")
@@ -200,6 +201,7 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     engine or an extra object cannot take the checkpoint, :class:`~hpx.ConfigError` is
     raised and nothing is changed. Under torch.distributed every rank must call it.
     """
+    ConfigError.check(_call_problems("load_checkpoint", directory, engine))
     root = Path(directory)
     problems = _extra_problems(extra) + _directory_problems(root)
     if not isinstance(required, bool):
@@ -275,7 +277,7 @@ def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: 
                             "with load_checkpoint(..., elastic=True)")
         problems += _step_problems(path, step, state)
         problems += [f"{path}: {p}" for p in engine._load_problems(state.get("engine"))]
-        problems += _saved_extra_problems(path, state, extra)
+        problems += _saved_extra_problems(path, state, extra) + _rng_problems(path, state, rng)
     _together(engine, problems, f"step {step}")  # every rank learns a refusal before any acts
     _act(engine, f"step {step}", lambda: _load_extras(state, extra),
          lambda: engine.load_state_dict(state["engine"]),
@@ -304,7 +306,7 @@ def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
             problems += _step_problems(p, step, st)
         problems += [f"{folder}: {p}" for p in engine._elastic_problems([st.get("engine") for st in states])]
         own = states[rank] if rank < len(states) else states[0]
-        problems += _saved_extra_problems(folder, own, extra)
+        problems += _saved_extra_problems(folder, own, extra) + _rng_problems(folder, own, rng)
     _together(engine, problems, f"step {step}")
     _act(engine, f"step {step}", lambda: _load_extras(own, extra),
          lambda: engine.load_elastic([st["engine"] for st in states]),
@@ -484,6 +486,28 @@ def _newest_for_all(root: Path, engine: Engine, also: Callable[[Path], bool] | N
         if bool((oks > 0).all()):
             return step, folder, paths
         excluded.add(step)
+
+
+def _call_problems(who: str, directory: Any, engine: Any) -> list[str]:
+    """Arguments of another kind than a directory and an engine (swapped, or not given)."""
+    problems = []
+    if not isinstance(directory, (str, os.PathLike)):
+        problems.append(f"{who}'s directory must be a path, a str or pathlib.Path (got "
+                        f"{type(directory).__name__}): call {who}(directory, engine)")
+    if not isinstance(engine, Engine):
+        problems.append(f"{who}'s engine must be an hpx.Engine (got {type(engine).__name__}): call "
+                        f"{who}(directory, engine) with the engine you train (hpx.autolr returns one)")
+    return problems
+
+
+def _rng_problems(path: Path, state: dict[str, Any], rng: bool) -> list[str]:
+    """Random streams a load would restore that are not there (a damaged file)."""
+    saved = state.get("rng")
+    if rng and not (isinstance(saved, dict) and torch.is_tensor(saved.get("torch"))
+                    and saved["torch"].dtype == torch.uint8 and "python" in saved):
+        return [f"{path} holds no usable random streams ('rng': {type(saved).__name__}): it is damaged; "
+                "delete its step folder to resume from an older step, or load with rng=False"]
+    return []
 
 
 def _extra_problems(extra: Any) -> list[str]:

@@ -33,6 +33,7 @@ from typing import Any, Union
 
 import torch
 
+from hpx import _checks
 from hpx._health import _Health
 from hpx._run_state import _RunState
 from hpx._seed import derive_seed
@@ -142,7 +143,10 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
             raise ConfigError([f"history_file={cfg.history_file!r} is a directory: give a file's path in it, "
                                f"e.g. {os.path.join(cfg.history_file, 'history.jsonl')!r}"])
         if not isinstance(model, torch.nn.Module):
-            raise ConfigError([f"model must be a torch.nn.Module (got {type(model).__name__})"])
+            raise ConfigError([f"model must be a torch.nn.Module (got {type(model).__name__}): pass the "
+                               "model first, then the optimizer factory: hpx.Engine(model, lambda m: ..., "
+                               "knobs)"])
+        ConfigError.check(_checks.backend_problems(backend) + _checks.knobs_problems(knobs))
         self.collective: Collective = backend if backend is not None else default_backend()
         self.knobs = knobs if isinstance(knobs, Knobs) else Knobs(*knobs)
         if self.knobs.seed is None:
@@ -246,6 +250,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
                                                  empty)), starting=True)
         self._draw()
         self._write(force=True)
+        if self._bad_factor is not None and not isinstance(self._bad_factor[1], float):
+            self._check_factors()  # a schedule that returns no number: named before the weights change
 
         # Only now that every check has passed are the weights touched: every replica starts
         # from rank 0's weights, then (optionally) warm noise. A constructor that raises leaves
@@ -339,8 +345,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         if not isinstance(metrics, dict) or not all(isinstance(k, str) for k in metrics):
             raise ConfigError([f"log takes a dict of name -> number (got {metrics!r})"])
         ConfigError.check(
-            f"log's metric {k!r} is {_shown(v)}: give a number or a one-element tensor (the sync reads "
-            "it with float())" for k, v in metrics.items()
+            f"log's metric {k!r} is {_checks.shown(v)}: give a number or a one-element tensor (the sync "
+            "reads it with float())" for k, v in metrics.items()
             if not (isinstance(v, numbers.Real) or (torch.is_tensor(v) and v.numel() == 1
                                                     and not v.is_complex())))
         self._metrics.update({k: v.detach() if torch.is_tensor(v) else v for k, v in metrics.items()})
@@ -476,14 +482,6 @@ def _build_replicas(model: torch.nn.Module, optimizer: Union[OptimizerFactory, t
         reps.append(Replica(first + i, m, opt))
     return reps
 
-
-
-def _shown(v: Any) -> str:
-    """A value as an error message shows it: a tensor by its shape, anything else by its repr."""
-    if torch.is_tensor(v):
-        return f"a tensor of shape {tuple(v.shape)}"
-    text = repr(v)
-    return f"{text[:60]}..." if len(text) > 60 else text
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:

@@ -29,6 +29,7 @@ from typing import Any, Union
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from hpx import _checks
 from hpx.backends.base import Collective
 from hpx.engine import Engine, OptimizerFactory
 from hpx.errors import ConfigError
@@ -120,7 +121,9 @@ def autolr(
     if schedule is not None and not callable(schedule) and not isinstance(schedule, LRScheduler):
         problems.append(f"schedule must be a function step -> factor, a torch LRScheduler or None "
                         f"(got {type(schedule).__name__})")
-    if any(getattr(k, "name", None) == "lr" for k in knobs):
+    knob_problems = _checks.knobs_problems(knobs)
+    problems += knob_problems
+    if not knob_problems and any(getattr(k, "name", None) == "lr" for k in knobs):
         problems.append("knob name 'lr' is autolr's own learning-rate knob: name yours differently")
     ConfigError.check(problems)
     lrs, followed = None, []

@@ -38,7 +38,8 @@ class Knobs:
         problems = []
         for k in knobs:
             if not isinstance(k, Knob):
-                problems.append(f"Knobs takes Knob objects (got {k!r} of type {type(k).__name__})")
+                problems.append(f"Knobs takes Knob objects (got {k!r} of type {type(k).__name__}): declare "
+                                "each as an object, e.g. hpx.LearningRate('lr', spread=0.25)")
         names = [getattr(k, "name", None) for k in knobs]
         dupes = sorted({n for n in names if names.count(n) > 1 and n is not None})
         if dupes:

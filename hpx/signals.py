@@ -132,7 +132,8 @@ class SharedBatch:
     """
 
     def __init__(self, loss_fn: LossFn | None = None, *, eval_mode: bool = True) -> None:
-        ConfigError.check(_loss_fn_problems("SharedBatch", loss_fn))
+        ConfigError.check(_loss_fn_problems("SharedBatch", loss_fn)
+                          + _mode_problems("SharedBatch", eval_mode))
         self.loss_fn = loss_fn
         self.eval_mode = eval_mode
         self._held: Any = None  # this sync's batch, broadcast (rounds after the first reuse it)
@@ -164,6 +165,13 @@ def _loss_fn_problems(who: str, loss_fn: Any) -> list[str]:
     if loss_fn is not None and not callable(loss_fn):
         return [f"{who} loss_fn must be a function (replica, batch) -> scalar loss, or None for the "
                 f"training loss (got {loss_fn!r})"]
+    return []
+
+
+def _mode_problems(who: str, eval_mode: Any) -> list[str]:
+    if not isinstance(eval_mode, bool):
+        return [f"{who} eval_mode must be True or False (got {eval_mode!r}): True scores the replicas in "
+                "eval mode (no dropout noise)"]
     return []
 
 
@@ -255,7 +263,7 @@ class ProbeStream:
             problems += _one_batch_problems(data, "ProbeStream data", "ProbeStream([{batch}])")
         if not isinstance(batches, int) or isinstance(batches, bool) or batches < 1:
             problems.append(f"ProbeStream batches must be an integer >= 1 (got {batches!r})")
-        problems += _loss_fn_problems("ProbeStream", loss_fn)
+        problems += _loss_fn_problems("ProbeStream", loss_fn) + _mode_problems("ProbeStream", eval_mode)
         if not problems and isinstance(data, (list, tuple)):  # cheap to check all now, once
             for i, b in enumerate(data):
                 problems += _nonfinite_problems(b, f"probe batch {i}")

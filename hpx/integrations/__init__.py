@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from hpx.signals import _one_batch_problems
+
 
 def _callback_problems(loss_fn: Any, probe: Any, settings: dict[str, Any], reserved: tuple[str, ...],
                        model: str) -> list[str]:
@@ -17,10 +19,19 @@ def _callback_problems(loss_fn: Any, probe: Any, settings: dict[str, Any], reser
     if probe is None or not isinstance(probe, Iterable):
         problems.append(f"probe must be held-out batches (a list of a few validation batches; "
                         f"got {type(probe).__name__})")
+    else:
+        problems += _one_batch_problems(probe, "probe", "probe=[{batch}]")
     if not callable(loss_fn):
         problems.append(f"loss_fn must be a function ({model}, batch) -> loss (got {type(loss_fn).__name__})")
     problems += [f"{key} is set by the callback from the trainer; remove {key}=..."
                  for key in reserved if key in settings]
+    from hpx.config import EngineConfig
+    from hpx.recipe import _CONTROLLER_SETTINGS
+
+    known = {*EngineConfig.model_fields, "on_sync", "knobs", "span", "total_steps"} - {*_CONTROLLER_SETTINGS}
+    problems += [f"unknown setting {key!r}: the callback takes hpx.autolr's settings "
+                 f"({', '.join(sorted(known))})"
+                 for key in settings if key not in known and key not in reserved]
     return problems
 
 

@@ -78,8 +78,12 @@ class AutoLR(pl.Callback):
     def __init__(self, loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor], *,
                  probe: Iterable[Any], total_steps: int | None = None,
                  **settings: Any) -> None:
-        reserved = ("backend", "replicas", "schedule", "loss_fn")
+        reserved = ("backend", "replicas", "schedule", "loss_fn", "on_sync")
         problems = _callback_problems(loss_fn, probe, settings, reserved, "module")
+        if total_steps is not None and (not isinstance(total_steps, int) or isinstance(total_steps, bool)
+                                        or total_steps < 1):
+            problems.append(f"total_steps must be an integer >= 1, or None for the trainer's estimate "
+                            f"(got {total_steps!r})")
         ConfigError.check(problems)
         self.loss_fn, self.probe, self.total_steps, self.settings = loss_fn, probe, total_steps, settings
         self.engine: Any = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -99,7 +99,18 @@ def _checked_schedule(name: str, schedule: Callable[[int], float] | None) -> Cal
 
 def _scheduled_scale(self, step: int) -> float:
     """The schedule's factor at ``step`` (1 without a schedule)."""
-    return 1.0 if self.schedule is None else float(self.schedule(step))
+    if self.schedule is None:
+        return 1.0
+    value = self.schedule(step)
+    return value if isinstance(value, float) else _factor(value)
+
+
+def _factor(value: object) -> Any:
+    """``float(value)``, or ``value`` itself when it is no number (the engine names it)."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        return value
 
 
 def _is_scheduled(self) -> bool:

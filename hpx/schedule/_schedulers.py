@@ -86,7 +86,9 @@ class OneCycleLR(_Scheduler):
         **settings: Any,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer")
+            raise TypeError(f"{type(optimizer).__name__} is not an Optimizer (as torch's OneCycleLR, hpx's "
+                            "takes the optimizer it schedules: hpx.OneCycleLR(optimizer, max_lr=..., "
+                            "total_steps=...))")
         self.optimizer = optimizer
         n_groups = len(optimizer.param_groups)
         # torch takes tensors here too and copies them (a later in-place change must not move
