@@ -221,10 +221,10 @@ DESCRIBE = {
     "ddp+pyhook": "DDP with torch's own Python all-reduce hook (`allreduce_hook`), which does "
     "what DDP does: the cost of any Python communication hook. DDP then hands the hook the bucket "
     "unscaled, so the 1/W scaling it otherwise fuses into its gradient copy becomes a separate pass.",
-    "ddp+hook": "DDP with hpx's `finite_mean_hook` alone: the price of keeping a NaN rank out of "
-    "the gradient mean. It is a Python hook, which costs something by itself (measure it with "
-    "`--variants ddp,ddp+pyhook,ddp+hook`), plus a finiteness pass over bucket 0 and a "
-    "one-element all-reduce per step.",
+    "ddp+hook": "DDP with hpx's `finite_mean_hook` alone: the price of keeping a NaN or blown-up "
+    "rank out of the gradient mean. It is a Python hook, which costs something by itself (measure "
+    "it with `--variants ddp,ddp+pyhook,ddp+hook`), plus a norm pass over bucket 0 and a few scalar "
+    "operations (the gradient-health verdict) and a one-element all-reduce per step.",
     "hpx": "`hpx.Engine` in shared mode over the DDP model, with that hook: knob writes, losses "
     "accumulated on device, and every T steps one gather of the scores and one flat all-reduce of "
     "the weights and buffers.",

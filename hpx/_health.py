@@ -1,4 +1,6 @@
-"""Gradient health in shared mode: which replicas' gradients enter this step's shared mean.
+"""Gradient health: which replicas' gradients enter this step's shared mean (shared mode, and
+DDP's comm hook, :func:`hpx.backends.dist.finite_mean_hook`, each rank judging its own), and which
+replicas' own steps blew up (independent mode, by the loss alone: flagged and reset at the sync).
 
 A replica's gradient is left out of the mean when its loss or its gradient is non-finite, or
 when its loss or gradient norm is more than :data:`BLOWUP` times the run's recent maximum (a

@@ -52,6 +52,8 @@ class _TrainingStep:
                     raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
                                     f"of shape {getattr(loss, 'shape', None)})")
                 out = loss * scale if scale != 1 else loss
+                if self._hook is not None:  # DDP: judged with this backward's gradient, in the hook
+                    self._hook.loss, self._hook.scaled = loss.detach(), scaler is not None
                 if not self._one_step:
                     _backward_of(scaler.scale(out) if scaler is not None else out, rep, loss)
                 elif self._one.admit(loss, l):  # on the host: not into the one gradient if non-finite
@@ -192,10 +194,18 @@ class _TrainingStep:
                  "follow its own gradient and the method would silently change"])
         if self._agreement_due:
             self._check_agreement(settle=True)
+        if self._hook is not None:  # DDP: this rank was left out of a step's mean by the hook
+            out = self._hook.take_left_out()
+            if torch.is_tensor(out):
+                self._left_out(~out.reshape(1))
+            elif out:
+                self._left_out([False])
+        elif self._independent:  # each replica's own loss, by the same rule: flagged, then reset
+            self._left_out(self._grad_health.judge(self._step_loss, self._no_norms, grads=False))
         self._fresh, self._reduced, self._one_step = True, False, False
         self._step_loss.zero_()
         self._step_n = [0] * self.n_local
-        if self._shared:
+        if self._shared or self._independent:
             self._grad_health.close()
         self.step_count += 1
         if self.step_count == self._past_end:

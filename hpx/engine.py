@@ -196,6 +196,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         prepare = getattr(self.collective, "prepare_model", None)
         if prepare is not None:  # e.g. keep one rank's NaN gradient out of DDP's mean
             model = prepare(model)
+        # DDP's gradient health, judged in hpx's comm hook: it gets each loss, the engine its verdicts
+        self._hook = getattr(model, "_hpx_hook_state", None) if self._ddp else None
         self.replicas = _build_replicas(model, optimizer, local, self._first)
 
         self._bind_knobs()
@@ -232,6 +234,9 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         self._step_loss = torch.zeros(local, device=dev)  # this optimizer step's losses, summed
         self._step_n = [0] * local  # ... and how many (host-side count)
         self._grad_health = _Health(dev)  # shared mode: which gradients enter the mean (hpx/_health.py)
+        # independent mode: the same rule on each replica's loss alone (docs/method.md)
+        self._independent = cfg.mode == "independent"
+        self._no_norms = torch.zeros(local, device=dev)
         self._fresh, self._reduced = True, False  # no backward yet in this step; mean not applied
         self._last: tuple[Any, LossFn | None] = (None, None)  # (batch, loss_fn) signals score on
         self.history: list[SyncRecord] = []

@@ -1,6 +1,8 @@
-"""Gradient health in shared mode (issue 20, item 4): one replica's non-finite gradient (with a
-finite loss) or one-step blow-up is left out of that step's shared mean and counted as the worst
-at the next sync, on every gradient path; a checkpoint is never saved with non-finite weights."""
+"""Gradient health (issue 20, item 4): one replica's non-finite gradient (with a finite loss) or
+one-step blow-up is left out of that step's shared mean and counted as the worst at the next sync,
+on every gradient path, DDP's comm hook included; in independent mode a replica whose own step
+blows up is flagged at the next sync and reset; a checkpoint is never saved with non-finite
+weights."""
 
 from __future__ import annotations
 
@@ -140,16 +142,25 @@ def test_a_checkpoint_is_not_saved_with_non_finite_weights(digits: Any, tmp_path
 # --- across processes: one replica per rank, the flat-bucket mean over gloo ----------------
 
 
-def _dist_run(rank: int, world: int, fault: str | None) -> dict[str, Any]:
+def _dist_run(rank: int, world: int, fault: str | None, ddp: str | None = None) -> dict[str, Any]:
+    """``ddp``: None (hpx's flat buckets), or the model in DistributedDataParallel with hpx's comm
+    hook judging on the host ("host", as on a CPU) or on the device ("device", nothing read)."""
     from sklearn.datasets import load_digits
 
     torch.set_num_threads(1)
     x, y = load_digits(return_X_y=True)
     digits = torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y, dtype=torch.long)
-    engine = hpx.Engine(_mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM),
+    model = _mlp()
+    if ddp is not None:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    engine = hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM),
                         [hpx.LearningRate(spread=0.25)], backend=hpx.backends.TorchDistributed(),
                         sync_every=T, seed=0)
-    assert isinstance(engine._grads, _GradBuckets)
+    if ddp is None:
+        assert isinstance(engine._grads, _GradBuckets)
+    else:
+        assert engine._grads is None and engine._hook is not None
+        engine._hook.read_host = ddp == "host"
 
     def loss_fn(rep: hpx.Replica, b: Any) -> torch.Tensor:
         loss = F.cross_entropy(rep.model(b[0]), b[1])
@@ -170,6 +181,12 @@ def _dist_run(rank: int, world: int, fault: str | None) -> dict[str, Any]:
     return {"loss": loss, "nonfinite": [(r.step, r.nonfinite) for r in engine.history]}
 
 
+def _ddp_runs(rank: int, world: int) -> dict[Any, dict[str, Any]]:
+    """Every DDP case in one launch (spawning the processes costs more than a run)."""
+    return {(path, fault): _dist_run(rank, world, fault, path)
+            for path in ("host", "device") for fault in (None, "inf-grad", "blow-up")}
+
+
 @pytest.mark.parametrize("fault", ["inf-grad", "blow-up"])
 def test_across_gloo_processes_a_ranks_bad_gradient_is_left_out(fault: str) -> None:
     clean = run_distributed(_dist_run, 2, None, timeout=120)
@@ -180,3 +197,63 @@ def test_across_gloo_processes_a_ranks_bad_gradient_is_left_out(fault: str) -> N
     after = next(nf for step, nf in faulted[0]["nonfinite"] if step > FAULT)
     assert after == [1]
     assert all(nf == [] for _, nf in clean[0]["nonfinite"])
+
+
+@pytest.fixture(scope="module")
+def ddp_runs() -> list[dict[Any, dict[str, Any]]]:
+    return run_distributed(_ddp_runs, 2, timeout=240)
+
+
+@pytest.mark.parametrize("path", ["host", "device"])
+@pytest.mark.parametrize("fault", ["inf-grad", "blow-up"])
+def test_ddp_comm_hook_leaves_a_ranks_bad_gradient_out_and_the_run_ends_within_2_percent(
+        ddp_runs: list[dict[Any, dict[str, Any]]], fault: str, path: str) -> None:
+    """DDP's comm hook applies the rule: rank 1's Inf gradient (a finite loss) or its one-step
+    blow-up (lr 1e6) is left out of the mean, counted as the worst at the next sync and reset."""
+    clean, faulted = [r[(path, None)] for r in ddp_runs], [r[(path, fault)] for r in ddp_runs]
+    ref, got = clean[0]["loss"], faulted[0]["loss"]
+    assert faulted[0]["loss"] == faulted[1]["loss"]
+    assert math.isfinite(got) and abs(got - ref) <= 0.02 * ref, (got, ref)
+    after = next(nf for step, nf in faulted[0]["nonfinite"] if step > FAULT)
+    assert after == [1]
+    assert all(nf == [] for step, nf in faulted[0]["nonfinite"] if step <= FAULT)
+    assert all(nf == [] for _, nf in clean[0]["nonfinite"])
+    if path == "device":  # the device's verdict is the host's, bit for bit
+        assert faulted[0] == ddp_runs[0][("host", fault)]
+
+
+# --- independent mode: each replica's own step -----------------------------------------------
+
+
+def _independent(digits: Any, fault: str | None, host: bool = True) -> tuple[hpx.Engine, float]:
+    engine = hpx.Engine(_mlp(), lambda m: torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM),
+                        [hpx.LearningRate(spread=0.25)], replicas=4, sync_every=T, seed=0,
+                        mode="independent")
+    if not host:  # the accelerator's path (judged on the device, nothing read back), on the CPU
+        engine._grad_health = _Health(torch.device("cpu"), host=False)
+
+    def loss_fn(rep: hpx.Replica, b: Any) -> torch.Tensor:
+        return F.cross_entropy(rep.model(b[0]), b[1])
+
+    for t, b in enumerate(_data(digits, STEPS, BATCH)):
+        opt = engine.replicas[1].optimizer
+        if fault == "blow-up" and t == FAULT:
+            lr = opt.param_groups[0]["lr"]
+            opt.param_groups[0]["lr"] = 1e6
+        engine.step(loss_fn, b)
+        if fault == "blow-up" and t == FAULT:
+            opt.param_groups[0]["lr"] = lr
+    return engine, _heldout_loss(engine.converge(), digits)
+
+
+@pytest.mark.parametrize("host", [True, False], ids=["host", "device"])
+def test_independent_mode_a_replica_whose_step_blows_up_is_flagged_and_reset(digits: Any, host: bool) -> None:
+    """Its loss is then far above the recent maximum: counted as non-finite for the interval,
+    the worst at the next sync, left out of the average and reset from the others'."""
+    clean_engine, ref = _independent(digits, None, host)
+    assert all(r.nonfinite == [] for r in clean_engine.history)
+    engine, got = _independent(digits, "blow-up", host)
+    assert math.isfinite(got) and abs(got - ref) <= 0.02 * ref, (got, ref)
+    rec = next(r for r in engine.history if r.step > FAULT)
+    assert rec.nonfinite == [1] and math.isnan(rec.scores[1])
+    assert all(r.nonfinite == [] for r in engine.history if r.step <= FAULT)

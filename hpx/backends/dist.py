@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hpx._buckets import plan_buckets
+from hpx._health import _Health
 from hpx.errors import BackendError, ConfigError, ConsistencyError
 
 __all__ = ["TorchDistributed", "finite_mean_hook"]
@@ -224,8 +225,9 @@ class TorchDistributed:
                 [f"the DistributedDataParallel model reduces over {world} ranks but TorchDistributed "
                  f"over {self._world_size}: build both on the same process group"]
             )
+        state = _HookState(group, world)
         try:
-            model.register_comm_hook(_HookState(group, world), finite_mean_hook)
+            model.register_comm_hook(state, finite_mean_hook)
         except RuntimeError as exc:
             if "once" not in str(exc):
                 raise
@@ -237,6 +239,7 @@ class TorchDistributed:
             )
             return model
         model._hpx_finite_mean = True
+        model._hpx_hook_state = state  # the engine hands it each loss and reads which steps were left out
         return model
 
     def _all_reduce_bucket(self, bucket: list[torch.Tensor]) -> None:
@@ -256,14 +259,19 @@ class TorchDistributed:
 
 
 class _HookState:
-    """:func:`finite_mean_hook`'s state: the DDP model's group, and this step's verdict.
+    """:func:`finite_mean_hook`'s state: the DDP model's group, this rank's gradient health, and
+    this step's verdict.
 
-    ``ok`` (this rank's verdict, a 0-dim bool on the gradients' device) and
-    ``count`` (the future of the number of finite ranks) are set by the step's
-    first bucket and read by the others.
+    ``ok`` (this rank's verdict: a 0-dim bool on the gradients' device, or a Python bool when read
+    on the host) and ``count`` (the future of the number of ranks let in) are set by the step's
+    first bucket and read by the others. ``health`` is this rank's recent range of losses and
+    gradient norms (:class:`hpx._health._Health`, built at the first bucket, on its device).
+    ``loss``: the loss about to be backpropagated, when the engine runs the backward (judged with
+    the gradient; ``None``: the gradient alone). ``left_out``: whether this rank was left out of
+    any mean since the engine last looked (the engine reads and clears it once per step).
     """
 
-    __slots__ = ("count", "group", "ok", "read_host", "world_size")
+    __slots__ = ("count", "group", "health", "left_out", "loss", "ok", "read_host", "scaled", "world_size")
 
     def __init__(self, group: dist.ProcessGroup | None, world_size: int,
                  read_host: bool | None = None) -> None:
@@ -272,43 +280,78 @@ class _HookState:
         # None: read the verdict on the host only for CPU tensors (free there).
         # False forces the on-device path (tests exercise it on CPU).
         self.read_host = read_host
-        self.ok: torch.Tensor | None = None
+        self.ok: torch.Tensor | bool | None = None
         self.count: torch.futures.Future | None = None
+        self.health: _Health | None = None
+        self.loss: torch.Tensor | None = None
+        self.scaled = False  # a GradScaler's backward: an inf gradient is its overflow to see
+        self.left_out: torch.Tensor | bool = False
+
+    def judge(self, buf: torch.Tensor, host: bool) -> torch.Tensor | bool:
+        """This rank's verdict on the step whose bucket 0 is ``buf``: may its gradient enter the
+        mean (finite, and no blow-up of its loss or of bucket 0's norm; hpx/_health.py)."""
+        if self.health is None:
+            self.health = _Health(buf.device, host=host)
+        norm = (torch.linalg.vector_norm(buf, dtype=torch.float32) if buf.is_floating_point()
+                else torch.linalg.vector_norm(buf).float())  # NaN or inf if any element is
+        loss = self.loss if self.loss is not None else torch.zeros((), device=buf.device)
+        self.loss, self.scaled = None, False
+        verdict = self.health.judge(loss, norm, grads=not self.scaled)
+        self.health.close()
+        if isinstance(verdict, list):  # read on the host
+            ok: torch.Tensor | bool = verdict[0]
+            self.left_out = self.left_out or not ok
+        else:
+            ok = verdict.reshape(())
+            self.left_out = self.left_out | ~ok
+        return ok
+
+    def take_left_out(self) -> torch.Tensor | bool:
+        """Whether this rank was left out of a mean since the last call; clears it."""
+        out, self.left_out = self.left_out, False
+        return out
 
 
 def finite_mean_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: the gradient mean over the ranks whose gradient is finite.
+    """DDP communication hook: the gradient mean over the ranks whose gradient is healthy.
 
-    A rank whose loss is NaN or inf has a non-finite gradient everywhere, first of
-    all in the parameters nearest the loss, whose bucket DDP reduces first
-    (bucket 0). So bucket 0 decides for the whole step, as the loss does in the
-    in-process backend: a rank whose bucket 0 holds a NaN or inf sends zeros in
-    every bucket and a 0 where the others send a 1, and every bucket's sum is
-    divided by the number of finite ranks instead of the world size ``W``. The
-    flags travel in one 1-element all-reduce per step, issued with bucket 0.
+    Each rank judges its own step by bucket 0, the parameters nearest the loss, which DDP
+    reduces first: a rank whose loss is NaN or inf, or whose gradient blows up, shows it there
+    first of all. The rule is the in-process one (``hpx/_health.py``, docs/method.md,
+    "Non-finite replicas"): the rank is left out when its loss (when the engine runs the
+    backward and hands it over in ``state.loss``) or bucket 0's gradient is non-finite (not
+    judged under a GradScaler, whose overflow it is to see: ``state.scaled``), or
+    when either is more than 100 times this rank's recent maximum. A rank left out sends zeros
+    in every bucket and a 0 where the others send a 1, and every bucket's sum is divided by the
+    number of ranks let in instead of the world size ``W``. The flags travel in one 1-element
+    all-reduce per step, issued with bucket 0. The engine reads ``state.left_out`` once per
+    step and counts such a rank as non-finite for the interval: at the next sync it is the
+    worst and is reset from the others (a rank whose weights blew up stays out until then).
 
-    When every rank is finite the result is DDP's own, bit for bit: each bucket is
-    multiplied by ``1/W`` before the sum, as DDP does. If no rank is finite the
+    When every rank is let in the result is DDP's own, bit for bit: each bucket is
+    multiplied by ``1/W`` before the sum, as DDP does. If no rank is let in the
     gradient is zero, and the engine stops at the sync with
-    :class:`~hpx.errors.NonFiniteError`, as in process. A NaN that appears only in
-    a later bucket (inside backward, with a finite loss and finite last layers)
-    is not caught here; it then reaches every rank, as it would in process.
+    :class:`~hpx.errors.NonFiniteError` if the weights are non-finite, as in process. A NaN
+    that appears only in a later bucket (inside backward, with a finite loss and finite last
+    layers) is not caught here; it then reaches every rank, as it would in process.
 
-    Nothing is read back from an accelerator: the verdict and the masking stay on
-    the gradients' device (on CPU, where reading is free, a finite bucket skips
-    the masking pass). Cost over DDP's own all-reduce: the ``1/W`` scaling DDP
-    would otherwise fuse into its gradient copy (a hook receives the bucket
-    unscaled), the Python call per bucket, one finiteness pass over bucket 0
-    (about 1 MiB with DDP's defaults) and one tiny all-reduce. On a CPU the
-    scaling pass is most of it, a few percent of a step (``docs/benchmarks.md``);
-    on GPUs these passes are small beside the all-reduce.
+    Nothing is read back from an accelerator: the verdict, the recent maximum and the masking
+    stay on the gradients' device (on CPU, where reading is free, the verdict is read and a
+    bucket let in skips the masking pass). Cost over DDP's own all-reduce: the ``1/W`` scaling
+    DDP would otherwise fuse into its gradient copy (a hook receives the bucket unscaled), the
+    Python call per bucket, one norm pass over bucket 0 (about 1 MiB with DDP's defaults; a
+    NaN or inf anywhere makes it non-finite, so it is the finiteness check too), the verdict's
+    few scalar operations and one tiny all-reduce. On a CPU the scaling pass is most of it, a
+    few percent of a step (``docs/benchmarks.md``); on GPUs these passes are small beside the
+    all-reduce.
     """
     buf = bucket.buffer()
     world = state.world_size
     cpu = buf.device.type == "cpu" if state.read_host is None else state.read_host
     if bucket.index() == 0:
-        state.ok = _is_finite(buf)
-        flag = state.ok.to(torch.float32).reshape(1)
+        state.ok = state.judge(buf, cpu)
+        flag = (torch.tensor([float(state.ok)], device=buf.device) if isinstance(state.ok, bool)
+                else state.ok.to(torch.float32).reshape(1))
         state.count = dist.all_reduce(flag, group=state.group, async_op=True).get_future()
     ok, count = state.ok, state.count
     if ok is None or count is None:  # cannot happen with DDP's in-order buckets
@@ -316,8 +359,8 @@ def finite_mean_hook(state: _HookState, bucket: dist.GradBucket) -> torch.future
     # DDP's own reduction multiplies by 1/W while copying gradients into the bucket
     # (before the sum: no fp16 overflow); a hook gets the bucket unscaled.
     buf.mul_(1.0 / world)
-    if cpu:
-        if not bool(ok):
+    if isinstance(ok, bool):
+        if not ok:
             buf.zero_()
     else:
         torch.where(ok, buf, torch.zeros((), dtype=buf.dtype, device=buf.device), out=buf)
@@ -325,7 +368,7 @@ def finite_mean_hook(state: _HookState, bucket: dist.GradBucket) -> torch.future
 
     def rescale(f: torch.futures.Future) -> torch.Tensor:
         n_ok = f.value()[1].value()[0][0]  # [the bucket's future, the count's future]
-        if cpu:
+        if isinstance(ok, bool):
             c = float(n_ok)
             if c != world:
                 buf.mul_(world / max(c, 1.0))
@@ -341,16 +384,6 @@ def finite_mean_hook(state: _HookState, bucket: dist.GradBucket) -> torch.future
 finite_mean_hook.__annotations__ = {
     "state": _HookState, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor],
 }
-
-
-def _is_finite(t: torch.Tensor) -> torch.Tensor:
-    """0-dim bool on ``t``'s device: no NaN or inf in ``t`` (one pass, no host read)."""
-    if t.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    if t.is_complex():
-        return torch.isfinite(t).all()
-    lo, hi = torch.aminmax(t)  # NaN propagates; +-inf shows at an end
-    return torch.isfinite(lo) & torch.isfinite(hi)
 
 
 def _shape_signature(tensor: torch.Tensor) -> torch.Tensor:
