@@ -212,8 +212,9 @@ def _worker(args: argparse.Namespace) -> None:
             except hpx.ConsistencyError as exc:
                 out[form] = {"error": str(exc)}
             out[form].update(seconds=time.monotonic() - t0, steps=built.step_count if built else 0)
+            built = None
         Path(f"{args.out}.{rank}").write_text(json.dumps(out))
-        dist.destroy_process_group()
+        _finish()
         return
     else:
         engine = _dist_engine(backend)
@@ -224,6 +225,19 @@ def _worker(args: argparse.Namespace) -> None:
                flagged=[(r.step, r.nonfinite) for r in engine.history if r.nonfinite])
     out["loss"] = _heldout(engine.converge())
     Path(f"{args.out}.{rank}").write_text(json.dumps(out))
+    engine = None
+    _finish()
+
+
+def _finish() -> None:
+    """Release the engines before the process group: an engine still alive at interpreter exit (an
+    exception's frames keep one) made 4 of 6 launches of the probe scenario abort in torch's teardown
+    ("terminate called without an active exception", SIGABRT) after destroy_process_group."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
     dist.destroy_process_group()
 
 
@@ -360,7 +374,8 @@ def _probe_row(tmp: Path) -> Row:
     r = _launch("probe::1", tmp, restarts=0, name="probe")
     seen = [(form, x.get(form, {})) for x in r["ranks"] for form in ("list", "stream")]
     ok = r.get("returncode") == 0 and all(
-        "probe data" in (o.get("error") or "") and o.get("seconds", math.inf) < 10
+        ("probe data" in (o.get("error") or "") or "signal's data" in (o.get("error") or ""))
+        and o.get("seconds", math.inf) < 10
         and o.get("steps", STEPS) <= SYNC_EVERY for _, o in seen) and len(seen) == 4
     detail = ("a ConsistencyError on both ranks: a list of probe batches when the engine is built, a "
               "stream (read only at syncs) at the first sync (step 5); no rank trained past it"
@@ -717,7 +732,11 @@ def _table(rows: list[Row], wall: float, command: str) -> str:
                   "flagged at the next sync, but one step's difference (the step's mean without that "
                   "replica, and the sync that counts it the worst moving the lr elsewhere) carries to the "
                   "end of a run that short: " + "; ".join(GRADIENT_NOTES) + ".", ""]
-    lines += [
+    lines += ["The torchrun workers release their engines before `destroy_process_group`: with an engine "
+              "still alive at interpreter exit (kept by a caught exception's frames), 4 of 6 launches of "
+              "the probe-data scenario aborted in torch's teardown (\"terminate called without an active "
+              "exception\", SIGABRT) after both ranks had reported their errors; with them released, 0 of "
+              "5.", "",
               "Also tested (`tests/test_engine_dist.py`, 4 gloo ranks): ranks built with different "
               "settings, knobs or modes, or resumed from different steps, raise a `ConsistencyError` "
               "naming the disagreement within one collective instead of hanging; a rank that lost "
