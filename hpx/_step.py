@@ -28,6 +28,9 @@ class _TrainingStep:
         _checks.check(_checks.loss_fn_problems(loss_fn, batch) + _checks.scale_problems(scale, scaler))
         parts, shared = self._parts(batch, batches)
         if self._fresh:  # the first micro-batch of an optimizer step
+            # the interval's sums as the step found them: a loss_fn that raises on a later micro-batch
+            # drops the whole step, and the losses of its earlier micro-batches leave the sums with it
+            self._sums_before = (self._acc.clone(), self._bad.clone(), list(self._acc_n))
             prepare = getattr(self.signal, "prepare", None)
             # not when the sync places the replicas first: they must be scored where they are placed
             if (prepare is not None and self._placement is None and self.step_count + 1 >= self._next_sync
@@ -65,6 +68,10 @@ class _TrainingStep:
             # and the next backward starts it again from zero gradients
             self._fresh, self._reduced = True, False
             self._step_loss.zero_()
+            acc, bad, self._acc_n = self._sums_before
+            self._acc.copy_(acc)
+            self._bad.copy_(bad)
+            self._step_n = [0] * self.n_local
             raise
         lt = torch.stack(losses).to(self._acc.dtype)
         self._accumulate(lt, range(self.n_local))

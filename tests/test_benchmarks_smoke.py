@@ -117,3 +117,22 @@ def test_acceptance_benchmark_runs_every_cell_and_judges_every_criterion(tmp_pat
     doc = (tmp_path / "benchmarks.md").read_text()
     assert doc.count("| mlp |") == 3 and doc.count("| gru |") == 3
     assert "python -m benchmarks.acceptance --quick" in doc
+
+
+def test_reliability_in_process_scenarios_of_this_round_survive(tmp_path):
+    """The cheap in-process rows of python -m benchmarks.reliability (the torchrun and longer
+    scenarios run only with the benchmark itself)."""
+    import torch
+
+    from benchmarks import reliability
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rows = reliability.mask_rows() + reliability.half_finished_rows()
+    finally:
+        torch.set_num_threads(threads)
+    assert [r.runs for r in rows] == [2, 2, 1]
+    assert all(r.survived == r.runs and r.criterion for r in rows), rows
+    table = reliability._table(rows, 1.0, "python -m benchmarks.reliability")
+    assert "Runs: 5, survived: 5, lost: 0." in table and "| survived when |" in table

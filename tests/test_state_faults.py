@@ -163,6 +163,35 @@ def test_a_step_whose_loss_fn_raised_leaves_no_gradient_behind(batches, mode):
             assert torch.equal(p, q)
 
 
+@pytest.mark.parametrize("mode", ["shared", "independent"])
+def test_a_micro_batch_whose_loss_fn_raised_leaves_no_loss_in_the_intervals_sums(batches, mode):
+    """Accumulating 2 micro-batches, the second raises: the step is dropped, and the first
+    micro-batch's losses must leave the interval's sums with it (they stayed, so the retried step
+    counted them twice and the sync scored the replicas on other numbers)."""
+
+    def boom(rep, b):
+        raise RuntimeError("data loader hiccup")
+
+    def run(fault: bool) -> hpx.Engine:
+        engine = _engine(mode=mode)
+        for t in range(2 * T):
+            a, b = batches[2 * t], batches[2 * t + 1]
+            if fault and t == 1:
+                engine.backward(ce, a, scale=0.5)
+                with pytest.raises(RuntimeError, match="hiccup"):
+                    engine.backward(boom, b, scale=0.5)
+            engine.backward(ce, a, scale=0.5)
+            engine.backward(ce, b, scale=0.5)
+            engine.optimizer_step()
+        return engine
+
+    clean, faulted = run(False), run(True)
+    assert [r.scores for r in faulted.history] == [r.scores for r in clean.history]
+    assert [r.bases for r in faulted.history] == [r.bases for r in clean.history]
+    for a, b in zip(clean.replicas, faulted.replicas):
+        assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
 def test_an_on_sync_callback_that_raises_still_finishes_the_sync(batches):
     calls = []
 
