@@ -9,9 +9,9 @@ Nothing has to be tuned:
   in the first 40% of the run it is scored at 4 points of the run's whole displacement (from the
   parameters it started from) shrunk and stretched by ``1/span .. span`` (one after the other,
   or spread over the processes under torch.distributed), and the base moves toward
-  the best-scoring scale, by what that scale exceeds a dead zone of 0.2 in ``log rho`` (a
-  reading's level at a good learning rate varies from task to task; in the first 10% of the run
-  only down); until 90% of the run the
+  the best-scoring scale (a shrink only by what it exceeds a dead zone of 0.2 in ``log rho``: the
+  reading drifts down as a run goes on, at any learning rate; in the first 10% of the run only
+  down); until 90% of the run the
   syncs go on and act only on shrinks (a learning rate that became too high, or overfitting);
   then the run continues as plain data-parallel training at the value found;
 * points scored on held-out batches you give (``probe``), or else on the sync step's own

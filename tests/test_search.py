@@ -370,13 +370,13 @@ def test_stretch_moves_by_the_fitted_scale_and_lands_on_the_shrunk_point_only(be
 
 
 @pytest.mark.parametrize("target", [-0.35, -0.15, 0.1, 0.3])
-def test_stretch_moves_only_by_what_the_reading_exceeds_its_dead_zone(target):
-    s = Stretch(1000, span=1.5, burn_in=0.0)  # the default dead zone, 0.2 in log rho
+def test_stretch_shrinks_only_by_what_the_reading_exceeds_its_dead_zone(target):
+    s = Stretch(1000, span=1.5, burn_in=0.0)  # the default dead zone, 0.2 in log rho, on shrinks
     assert s.dead_zone == 0.2
     rho = s.start(start_view()).placement
     z = rho.log()
     d = s.decide(view((z - target).pow(2).tolist(), bases=(2.0,), placement=rho))
-    excess = math.copysign(max(abs(target) - 0.2, 0.0), target)
+    excess = target if target > 0 else min(target + 0.2, 0.0)  # a stretch moves by all of it
     assert d.bases.item() == pytest.approx(2.0 * math.exp(excess), rel=0.01)
     assert d.land == pytest.approx(math.exp(min(excess, 0.0)), rel=0.01)
     assert d.info["rho"] == pytest.approx(math.exp(target), rel=0.01)  # the reading, as fitted

@@ -49,11 +49,24 @@ def _autolr(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                       loss_fn=lambda rep, b: task.loss(rep.model, b), seed=seed)
 
 
+class _TwoSidedZone(Stretch):
+    """Experiment: the dead zone on stretches as well as shrinks (the default before it was
+    one-sided): a reading moves the base only by what ``|log rho*|`` exceeds ``tau``."""
+
+    def __init__(self, *a: Any, tau: float, **kw: Any) -> None:
+        super().__init__(*a, dead_zone=0.0, **kw)
+        self.tau = tau
+
+    def _fit(self, z: torch.Tensor, scores: torch.Tensor) -> float | None:
+        best = super()._fit(z, scores)
+        return None if best is None else math.copysign(max(abs(best) - self.tau, 0.0), best)
+
+
 def _dead_zone(tau: float) -> Callable[..., hpx.Engine]:
     def build(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int,
               seed: int) -> hpx.Engine:
         engine = _autolr(task, model, opt, sched, steps, seed)
-        engine.search = Stretch(steps, dead_zone=tau)  # the same settings as the one it replaces
+        engine.search = _TwoSidedZone(steps, tau=tau)  # the same settings as the one it replaces
         return engine
     return build
 
@@ -77,8 +90,8 @@ def _sparse(min_gap: int, probe_batches: int) -> Callable[..., hpx.Engine]:
 
 
 # A method: f(task, model, optimizer, scheduler, steps, seed) -> an hpx.Engine to step.
-# "autolr" is the library's default (Stretch with dead_zone=0.2); "deadzone-<tau>" the same with
-# another dead zone ("deadzone-0" is the search without one, as it was before)
+# "autolr" is the library's default (Stretch with a dead zone of 0.2 on shrinks); "deadzone-<tau>" a
+# dead zone on both sides ("deadzone-0" is the search without one, as it was before)
 METHODS: dict[str, Callable[..., hpx.Engine]] = {"autolr": _autolr, **{
     f"deadzone-{tau:g}": _dead_zone(tau) for tau in (0.0, 0.1, 0.2, 0.3)},
     "sparse-5-1": _sparse(5, 1)}
