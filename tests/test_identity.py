@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BEFORE = "9a4493c"
+BEFORE = "ce20c7f"
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).with_name("_identity_run.py")
 
