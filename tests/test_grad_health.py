@@ -17,24 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpx
+from benchmarks.reliability import _InfGrad
 from hpx._health import _Health
 from hpx._step import _GradBuckets, _OneGradient
 from tests._dist import run_distributed
 
 STEPS, T, FAULT = 100, 10, 25  # the fault hits replica 1 at step FAULT (0-based)
 LR, MOMENTUM, BATCH = 0.05, 0.9, 256  # a calm run: its final loss does not hang on one step
-
-
-class _InfGrad(torch.autograd.Function):
-    """The identity forward; backward gives an infinite gradient (a finite loss, an Inf grad)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g * math.inf
 
 
 def _mlp() -> nn.Module:
@@ -70,15 +59,7 @@ def _run(digits: Any, fault: str | None, path: str, local: int = 4) -> tuple[hpx
             return _InfGrad.apply(loss)
         return loss
 
-    for t, b in enumerate(_data(digits, STEPS, BATCH)):
-        opt = engine.replicas[1].optimizer
-        if fault == "blow-up" and t == FAULT:
-            lr = opt.param_groups[0]["lr"]
-            opt.param_groups[0]["lr"] = 1e6
-        engine.step(loss_fn, b)
-        if fault == "blow-up" and t == FAULT:
-            opt.param_groups[0]["lr"] = lr
-    return engine, _heldout_loss(engine.converge(), digits)
+    return _run_with_fault(engine, loss_fn, fault, digits)
 
 
 @pytest.fixture(scope="module")
@@ -235,15 +216,7 @@ def _independent(digits: Any, fault: str | None, host: bool = True) -> tuple[hpx
     def loss_fn(rep: hpx.Replica, b: Any) -> torch.Tensor:
         return F.cross_entropy(rep.model(b[0]), b[1])
 
-    for t, b in enumerate(_data(digits, STEPS, BATCH)):
-        opt = engine.replicas[1].optimizer
-        if fault == "blow-up" and t == FAULT:
-            lr = opt.param_groups[0]["lr"]
-            opt.param_groups[0]["lr"] = 1e6
-        engine.step(loss_fn, b)
-        if fault == "blow-up" and t == FAULT:
-            opt.param_groups[0]["lr"] = lr
-    return engine, _heldout_loss(engine.converge(), digits)
+    return _run_with_fault(engine, loss_fn, fault, digits)
 
 
 @pytest.mark.parametrize("host", [True, False], ids=["host", "device"])
@@ -257,3 +230,17 @@ def test_independent_mode_a_replica_whose_step_blows_up_is_flagged_and_reset(dig
     rec = next(r for r in engine.history if r.step > FAULT)
     assert rec.nonfinite == [1] and math.isnan(rec.scores[1])
     assert all(r.nonfinite == [] for r in engine.history if r.step <= FAULT)
+
+
+def _run_with_fault(engine: hpx.Engine, loss_fn: Any, fault: str, digits: Any) -> tuple[hpx.Engine, float]:
+    """Train through the fault (replica 1's lr at 1e6 for step FAULT, for "blow-up"; the loss_fn
+    injects the others) and return the engine with its held-out loss."""
+    for t, b in enumerate(_data(digits, STEPS, BATCH)):
+        opt = engine.replicas[1].optimizer
+        if fault == "blow-up" and t == FAULT:
+            lr = opt.param_groups[0]["lr"]
+            opt.param_groups[0]["lr"] = 1e6
+        engine.step(loss_fn, b)
+        if fault == "blow-up" and t == FAULT:
+            opt.param_groups[0]["lr"] = lr
+    return engine, _heldout_loss(engine.converge(), digits)

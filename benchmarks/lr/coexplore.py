@@ -29,6 +29,7 @@ import torch
 
 import hpx
 from benchmarks.lr.__main__ import GRIDS, RUNS, SEEDS, _load, _save, best_of_grid
+from benchmarks.lr.run import plain_train
 from benchmarks.lr.tasks import Task, get_task
 from hpx.schedule._shadow import read_schedule
 
@@ -72,14 +73,7 @@ def run(args: tuple[str, str, float, float, int]) -> tuple[str, dict[str, Any]]:
     batches = [task.sample(gen) for _ in range(task.steps)]
     out: dict[str, Any] = {"lr": lr, "knob": value}
     if method == "plain":
-        model.train()
-        for b in batches:
-            loss = task.loss(model, b)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-        final: torch.nn.Module | None = model
+        final: torch.nn.Module | None = plain_train(task, model, opt, sched, batches)
     else:
         final, out = _general_route(task, model, opt, sched, batches, knob, value, lr, seed)
     val = task.evaluate(final) if final is not None else math.nan

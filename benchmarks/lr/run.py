@@ -22,7 +22,7 @@ from benchmarks.lr.prototypes import LOOPS
 from benchmarks.lr.tasks import Task, get_task
 from hpx.search import Stretch
 
-__all__ = ["METHODS", "Run", "execute"]
+__all__ = ["METHODS", "Run", "execute", "plain_train"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,19 @@ def _with_steps(task: Task, steps: int | None) -> Task:
     return replace(task, steps=steps)
 
 
+def plain_train(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+                batches: list[Any]) -> torch.nn.Module:
+    """The user's loop: backward, optimizer step, scheduler step, one batch at a time."""
+    model.train()
+    for b in batches:
+        loss = task.loss(model, b)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model
+
+
 def execute(run: Run) -> dict[str, Any]:
     """Train once; ``{"val", "lost", "seconds", "end_lr", "history"}`` (val is NaN when the run
     diverged)."""
@@ -116,15 +129,8 @@ def execute(run: Run) -> dict[str, Any]:
     out: dict[str, Any] = {"end_lr": run.lr, "history": []}
     t0 = time.perf_counter()
     if run.method == "plain":
-        model.train()
-        for b in batches:
-            loss = task.loss(model, b)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
+        final = plain_train(task, model, opt, sched, batches)
         seconds = time.perf_counter() - t0
-        final = model
     elif run.method in LOOPS:
         final, factor = LOOPS[run.method](task, model, opt, sched, batches)
         seconds = time.perf_counter() - t0
