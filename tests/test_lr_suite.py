@@ -166,3 +166,14 @@ def test_the_diagnostic_finds_where_a_reading_crosses_and_where_a_parabola_botto
         curve = [(math.log(r) - math.log(best)) ** 2 for r in RHOS]
         assert abs(_log_rho_star(curve) - math.log(best)) < 0.02
     assert _log_rho_star([1.0, math.nan] + [1.0] * (len(RHOS) - 2)) == -1.0
+
+
+def test_the_cost_table_times_both_loops_on_the_same_task():
+    from benchmarks.lr.cost import markdown, measure
+
+    rows = measure(["wine_short"], 1)
+    (name, plain, searched), = rows
+    assert name == "wine_short" and plain > 0 and searched > 0
+    md = markdown(rows, 1)
+    assert f"| wine_short |  | 100 | {plain:.2f} | {searched:.2f} | {searched / plain:.2f} |" in md
+    assert md.startswith("<!-- lr-cost -->") and md.endswith("<!-- /lr-cost -->")
