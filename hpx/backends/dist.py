@@ -295,8 +295,9 @@ class _HookState:
         norm = (torch.linalg.vector_norm(buf, dtype=torch.float32) if buf.is_floating_point()
                 else torch.linalg.vector_norm(buf).float())  # NaN or inf if any element is
         loss = self.loss if self.loss is not None else torch.zeros((), device=buf.device)
+        scaled = self.scaled
         self.loss, self.scaled = None, False
-        verdict = self.health.judge(loss, norm, grads=not self.scaled)
+        verdict = self.health.judge(loss, norm, grads=not scaled)
         self.health.close()
         if isinstance(verdict, list):  # read on the host
             ok: torch.Tensor | bool = verdict[0]
@@ -307,8 +308,11 @@ class _HookState:
         return ok
 
     def take_left_out(self) -> torch.Tensor | bool:
-        """Whether this rank was left out of a mean since the last call; clears it."""
+        """Whether this rank was left out of a mean since the last call; clears it, and lets go
+        of the step's count all-reduce (its work is done once the optimizer has stepped; a gloo
+        work object still referenced when the process exits can abort it at teardown)."""
         out, self.left_out = self.left_out, False
+        self.count = None
         return out
 
 
