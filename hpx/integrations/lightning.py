@@ -136,6 +136,17 @@ class AutoLR(pl.Callback):
             self._last_step = trainer.global_step
             self.engine.advance(batch=batch)
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """In a process Lightning spawned (``ddp_spawn``), let the engine go when the fit ends: the
+        process exits next and its engine is never seen again (the parent's is ``None``), and
+        gloo's teardown at exit can abort while the engine's collectives are still referenced."""
+        import gc
+        import multiprocessing
+
+        if stage == "fit" and trainer.world_size > 1 and multiprocessing.parent_process() is not None:
+            self.engine = None
+            gc.collect()
+
     def state_dict(self) -> dict[str, Any]:
         """hpx's state of every process, for Lightning's checkpoint (which rank 0 writes alone).
 
