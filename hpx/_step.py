@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from hpx import _checks
+from hpx._aligned import check_aligned, met_a_sync
 from hpx._health import _Health, _norm
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError
@@ -222,6 +223,14 @@ class _TrainingStep:
         else:
             self._write()
 
+    def _check_aligned(self, when: str) -> None:
+        """Shared mode over several processes: a :class:`ConsistencyError` on every rank if the
+        ranks ran different numbers of steps (:func:`hpx._aligned.check_aligned`)."""
+        if not self._shared or self._framework_reduces or self.collective.world_size == 1:
+            return
+        check_aligned(self.collective, self.replicas[0].model, self.step_count, when,
+                      [g.crossed for g in (self._grads, self._one) if g is not None])
+
 
 class _ForeachMean:
     """The shared-gradient mean of local replicas in one CPU process, on autograd's own
@@ -306,6 +315,7 @@ class _OneGradient:
             for i, chunk in zip(idx, (scratch if scratch is not None else one).split(sizes)):
                 self._into[i] = chunk.view(first[i].shape)
             self._buffers.append((one, scratch))
+        self.crossed: torch.Tensor | None = None  # on an accelerator: a step's all-reduce met a sync
         self._pairs = 0  # losses seen this step (host count)
         self._ran: int | torch.Tensor = 0  # ... of which let in (host int, or a device tensor)
         dev = self._buffers[0][0].device
@@ -381,6 +391,7 @@ class _OneGradient:
         if collective.world_size > 1:
             ran = torch.as_tensor(self._ran, dtype=torch.float64, device=ones[0].device).reshape(1)
             collective.all_reduce_sum_([*ones, ran])
+            self.crossed = met_a_sync(ran, self.crossed)
             pairs = self._pairs * collective.world_size
             factor = (pairs / n) / ran.clamp_min(1)  # on the device: no host read
             for one in ones:
@@ -414,6 +425,7 @@ class _GradBuckets:
         self._replicas = list(replicas)
         self.buffers: list[torch.Tensor] = []
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []  # (param, its grad view)
+        self.crossed: torch.Tensor | None = None  # on an accelerator: a step's all-reduce met a sync
 
     def _build(self) -> None:
         replicas = self._replicas
@@ -475,6 +487,7 @@ class _GradBuckets:
         count = ok.sum().to(torch.float64).reshape(1)
         if collective.world_size > 1:
             collective.all_reduce_sum_([*sums, count])
+            self.crossed = met_a_sync(count, self.crossed)
         for buf, s in zip(self.buffers, sums):
             s.div_(count.to(s).clamp_min(1))
             buf.copy_(s.expand_as(buf))

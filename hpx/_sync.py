@@ -28,6 +28,7 @@ class _Syncing:
 
     def _sync(self, batch: Any, loss_fn: LossFn | None) -> None:
         cfg = self.config
+        self._check_aligned("syncing")
         # a placement: score points on the run's displacement (the replicas are first averaged)
         placed = self._placement if self._placement is not None and self._controls_now() else None
         reset: list[int] = []

@@ -383,6 +383,7 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         training; under torch.distributed every rank must call it, at the same step (checked:
         :class:`~hpx.ConsistencyError` on every rank otherwise)."""
         if self.collective.world_size > 1:
+            self._check_aligned("converging at the end of training")
             self._check_agreement(settle=True, when="converging at the end of training")
         if not self._converge(torch.ones(self.n_replicas, dtype=torch.float64), average=True, check=True):
             self._converge(self._sound().to(torch.float64), average=True)  # leave the non-finite out

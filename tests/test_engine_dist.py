@@ -332,6 +332,29 @@ def _disagreements(backend: TorchDistributed) -> dict:
     return out
 
 
+def _uneven_steps(backend: TorchDistributed) -> dict:
+    """Shared mode, where every step all-reduces the gradient: one rank runs one step fewer
+    (one process per replica: the engine's gradient buckets) or one step more (two replicas per
+    process: the one gradient). Every rank raises a ConsistencyError that says so, the ones at a
+    training step and the one converging alike; no gloo abort, no hang."""
+    rank, out = backend.rank, {}
+    x, y = _batches(1)[0]
+    for case, replicas, steps in (("fewer", 1, 4 if rank == 1 else 5), ("more", 2, 6 if rank == 1 else 5)):
+        torch.manual_seed(0)
+        engine = hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=backend, replicas=replicas,
+                            sync_every=3, seed=0)
+        done, error = 0, None
+        try:
+            for _ in range(steps):
+                engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+                done += 1
+            engine.converge()
+        except ConsistencyError as exc:
+            error = str(exc)
+        out[case] = {"error": error, "steps": done, "step_count": engine.step_count}
+    return out
+
+
 def _seeds(backend: TorchDistributed) -> dict:
     """Ranks given different seeds still draw rank 0's permutations."""
     engine = hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=backend, replicas=1,
@@ -414,6 +437,7 @@ def _world4(rank: int, world_size: int) -> dict:
     out["sync_calls"] = _sync_calls(backend)
     out["inconsistent"] = _inconsistent(backend)
     out["disagree"] = _disagreements(backend)
+    out["uneven"] = _uneven_steps(backend)
     out["seeds"] = _seeds(backend)
     model = DDP(_Net())
     hpx.Engine(model, _optimizer, _knobs(0.3), backend=backend, replicas=1)
@@ -721,3 +745,24 @@ def test_autolr_over_ddp_matches_in_process(ranks, local):
             assert d["bases"]["lr"] == pytest.approx(l["bases"]["lr"], rel=1e-5), d["step"]
             assert d["values"]["lr"] == pytest.approx(l["values"]["lr"], rel=1e-5), d["step"]
         _assert_states_close(r["autolr"]["states"][0], local["autolr"]["states"][0], "autolr")
+
+
+def test_ranks_that_ran_different_numbers_of_steps_fail_clearly_in_shared_mode(ranks):
+    """One rank one step short (or one step long): the step that meets the other's converge
+    fails on the ranks that took it, and converge fails on the other, each with the fix named.
+    Before the marker all-reduce this aborted in gloo (a size mismatch) or hung."""
+    for case in ("fewer", "more"):
+        for r, out in enumerate(ranks):
+            got = out["uneven"][case]
+            assert got["error"] is not None, (case, r, got)
+            assert "different numbers of optimizer steps" in got["error"], got["error"]
+            assert "drop_last=True" in got["error"]
+        odd = ranks[1]["uneven"][case]
+        rest = [ranks[r]["uneven"][case] for r in (0, 2, 3)]
+        if case == "fewer":  # rank 1 converges after 4 steps; the others' 5th step meets it
+            assert odd["steps"] == 4 and "converging at the end of training at step 4" in odd["error"]
+            assert all(o["steps"] == 4 and "met another rank's sync" in o["error"] for o in rest)
+        else:  # rank 1's 6th step meets the others' converge after 5
+            assert odd["steps"] == 5 and "met another rank's sync" in odd["error"]
+            assert all(o["steps"] == 5 and "converging at the end of training at step 5" in o["error"]
+                       for o in rest)
