@@ -607,8 +607,8 @@ T = 100, `IntervalLoss`, the task's knobs with a schedule) against 4 plain model
 on the same chunks (zero_grad, forward, backward, step, lr written), in alternating blocks of
 {block} steps ({blocks} blocks each, measured side by side in one process).
 The engine is measured as it is (nothing patched). Its extra work per step: the
-shared-gradient mean of the replicas' gradients (in one CPU process: foreach ops on autograd's
-own gradients; elsewhere flat buckets), the schedule's values written, the loss accumulated
+shared-gradient mean of the replicas' gradients (flat buckets that autograd writes into) with
+the gradient-health check (their norms), the schedule's values written, the loss accumulated
 on device; per sync: averaging, the controller and new permutations. Target: at most 5%.
 
 {overhead_md(ov)}

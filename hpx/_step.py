@@ -1,5 +1,5 @@
 """The training step: each replica's forward and backward, the shared gradient (Eq. 2) with its
-three implementations, clipping and the GradScaler, the optimizer step, and the count of steps
+two implementations, clipping and the GradScaler, the optimizer step, and the count of steps
 that triggers a sync. A part of :class:`hpx.Engine`; nothing here reads the device back.
 """
 
@@ -232,55 +232,6 @@ class _TrainingStep:
                       [g.crossed for g in (self._grads, self._one) if g is not None])
 
 
-class _ForeachMean:
-    """The shared-gradient mean of local replicas in one CPU process, on autograd's own
-    gradients: no flat buffer to zero and accumulate into every step (that memset and the
-    read-modify-write cost about 10% of a step at 2.4M parameters)."""
-
-    def __init__(self, replicas: Sequence[Replica]) -> None:
-        self.params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
-        self._mean: list[torch.Tensor] | None = None  # reused from step to step
-
-    def zero_(self) -> None:
-        for ps in self.params:
-            for p in ps:
-                p.grad = None
-
-    def adopt_(self) -> None:  # gradients are wherever autograd (or the user) put them
-        return None
-
-    @torch.no_grad()
-    def average_(self, losses: torch.Tensor, collective: Collective, health: _Health,
-                 grads: bool = True) -> list[bool]:
-        """The mean over the replicas ``health`` lets in; returns which."""
-        norms = torch.stack([_norm([p.grad for p in ps if p.grad is not None]) for ps in self.params])
-        ok = health.judge(losses, norms, grads)  # host tensors: reading them is free
-        assert isinstance(ok, list)
-        if not any(ok):
-            for ps in self.params:  # no replica to take a gradient from: a zero step, as DDP's mask
-                for p in ps:
-                    p.grad = torch.zeros_like(p)
-            return ok
-        n = len(self.params[0])
-        grads_ = [[p.grad if p.grad is not None else torch.zeros_like(p) for p in ps] for ps in self.params]
-        good = [g for g, f in zip(grads_, ok) if f]
-        if self._mean is None or any(m.shape != g.shape or m.dtype != g.dtype
-                                     for m, g in zip(self._mean, good[0])) or len(self._mean) != n:
-            self._mean = [torch.empty_like(g) for g in good[0]]
-        mean = self._mean
-        torch._foreach_copy_(mean, good[0])
-        for g in good[1:]:
-            torch._foreach_add_(mean, g)
-        if len(good) > 1:
-            torch._foreach_mul_(mean, 1.0 / len(good))
-        for ps, gs in zip(self.params, grads_):
-            for p, g in zip(ps, gs):
-                if p.grad is None:
-                    p.grad = g
-            torch._foreach_copy_([p.grad for p in ps], mean)
-        return ok
-
-
 class _OneGradient:
     """One gradient for all local replicas, when they share one optimizer state (which reads
     the mean once) and the engine runs their backward.
@@ -468,8 +419,8 @@ class _GradBuckets:
 
         Relies on :meth:`zero_` having put the views back before backward.
         """
-        norms = torch.stack([torch.linalg.vector_norm(b, dim=1, dtype=torch.float32) for b in self.buffers])
-        verdict = health.judge(losses, norms.norm(dim=0), grads)
+        norms = [torch.linalg.vector_norm(b, dim=1, dtype=torch.float32) for b in self.buffers]
+        verdict = health.judge(losses, norms[0] if len(norms) == 1 else torch.stack(norms).norm(dim=0), grads)
         if isinstance(verdict, list):  # on the host
             if collective.world_size == 1 and all(verdict):
                 # One process with losses on the host (reading them waits for no device) and all

@@ -38,7 +38,7 @@ from hpx._health import _Health
 from hpx._run_state import _RunState
 from hpx._seed import derive_seed
 from hpx._shared_state import _SharedState, unshareable
-from hpx._step import _ForeachMean, _GradBuckets, _OneGradient, _TrainingStep
+from hpx._step import _GradBuckets, _OneGradient, _TrainingStep
 from hpx._sync import _Syncing
 from hpx._values import _KnobValues, _writes_optimizer
 from hpx.averaging import broadcast_, constant_buffers, float_state
@@ -218,13 +218,10 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
                                                                 if _writes_optimizer(k)]))
             if self.unshared_reason is None:
                 self._state = _SharedState(self.replicas)
-        # One process on the CPU: autograd's own gradients and a foreach mean (reading which
-        # losses are finite costs nothing there). Elsewhere: flat buckets, a masked reduction on
-        # the device and one collective per bucket.
+        # A gradient per replica: flat buckets, the mean (a masked one when a replica is left out)
+        # a few ops per bucket, and over several processes one collective per bucket.
         self._shared = shared
-        self._grads: _GradBuckets | _ForeachMean | None = (
-            None if not shared else _ForeachMean(self.replicas) if world == 1 and dev.type == "cpu"
-            else _GradBuckets(self.replicas))
+        self._grads: _GradBuckets | None = None if not shared else _GradBuckets(self.replicas)
         # ... and with one optimizer state, one gradient while the engine runs the backward
         self._one = None if self._state is None else _OneGradient(self.replicas, host=dev.type == "cpu")
         self._one_step = False  # this step's backward passes write into it
