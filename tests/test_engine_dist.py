@@ -230,6 +230,59 @@ def _plain_ddp(steps: int) -> dict[str, torch.Tensor]:
     return _state(model)
 
 
+class _Overflow(torch.autograd.Function):
+    """Identity forward; an inf gradient backward (a GradScaler's overflow)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * math.inf
+
+
+OVERFLOW_STEPS = (2, 5)  # rank 1's gradient overflows at these steps (0-based) in the scaler scenario
+
+
+def _scaler_ddp(steps: int = 12) -> dict:
+    """DDP with a GradScaler, rank 1's gradient overflowing at two steps: plain DDP, and hpx's
+    engine on the same DDP model (its comm hook, no spread, no controller). The overflow must
+    reach every rank's scaler through hpx's hook as through DDP's (the step skipped, the scale
+    halved), not be left out as a sick rank; every other step is DDP's own."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = {}
+    for who in ("plain", "hpx"):
+        torch.manual_seed(0)
+        model = _ddp(_Net())
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        if who == "plain":
+            opt = _optimizer(model)
+        else:
+            engine = hpx.Engine(model, _optimizer, _knobs(0.0), backend=TorchDistributed(), replicas=1,
+                                sync_every=4, warmup=4, seed=0, controller=False)
+        scales = []
+        for t, (x, y) in enumerate(_batches(steps)):
+            x, y = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+
+            def loss(m: nn.Module, x: torch.Tensor = x, y: torch.Tensor = y, t: int = t) -> torch.Tensor:
+                out = m(x)
+                return F.cross_entropy(_Overflow.apply(out) if rank == 1 and t in OVERFLOW_STEPS else out, y)
+
+            if who == "plain":
+                opt.zero_grad(set_to_none=True)
+                scaler.scale(loss(model)).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                engine.backward(lambda rep, b: loss(rep.model), (x, y), scaler=scaler)
+                engine.optimizer_step(scaler=scaler)
+            scales.append(float(scaler.get_scale()))
+        out[who] = {"state": _state(model), "scales": scales,
+                    "nonfinite": [] if who == "plain" else [r.nonfinite for r in engine.history]}
+    return out
+
+
 @contextlib.contextmanager
 def _counting(name: str) -> Iterator[list[int]]:
     """Record the numel of every ``torch.distributed.<name>`` call (the real one still runs)."""
@@ -428,6 +481,7 @@ def _world4(rank: int, world_size: int) -> dict:
     out["alpha0_fixed"] = _train(backend, ddp=True, spread=0.0, controller=False)
     out["alpha0"] = _train(backend, ddp=True, spread=0.0)
     out["plain_ddp"] = _plain_ddp(STEPS)
+    out["scaler_ddp"] = _scaler_ddp()
     out["autolr"] = _train_autolr(backend)
     out["autolr_saved"] = _autolr_saved(backend)
     out["checkpoint"] = _checkpoint_resume(backend)
@@ -573,6 +627,17 @@ def test_alpha_zero_with_ddp_equals_plain_ddp_bit_for_bit(ranks):
         (state,) = obs["alpha0_fixed"]["states"]
         for k in _PARAMS:
             assert torch.equal(state[k], obs["plain_ddp"][k]), f"rank {obs['rank']}: {k} differs"
+
+
+def test_ddp_with_a_grad_scaler_lets_overflows_reach_the_scaler_as_plain_ddp_does(ranks):
+    for obs in ranks:
+        plain, ours = obs["scaler_ddp"]["plain"], obs["scaler_ddp"]["hpx"]
+        halved = [i for i in range(1, len(plain["scales"])) if plain["scales"][i] < plain["scales"][i - 1]]
+        assert plain["scales"][0] == 2.0 ** 10 and halved == list(OVERFLOW_STEPS)  # each overflow seen
+        assert ours["scales"] == plain["scales"]
+        assert all(not n for n in ours["nonfinite"])  # an overflow is not a sick rank
+        for k in _PARAMS:
+            assert torch.equal(ours["state"][k], plain["state"][k]), f"rank {obs['rank']}: {k} differs"
 
 
 def test_alpha_zero_with_the_controller_on_stays_plain_ddp(ranks):
