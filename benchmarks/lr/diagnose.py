@@ -1,6 +1,6 @@
 """Read candidate search signals off plain training, at each grid lr, without any search acting.
 
-    python -m benchmarks.lr.diagnose [--tasks ...] [--jobs 2]   # read, then print the tables
+    python -m benchmarks.lr.diagnose [--tasks ...] [--jobs 2] [--store diagnose-temp.json]
 
 A signal that a controller moves the lr by has its fixed point where the signal crosses zero.
 Reading the signal off plain runs at fixed peak lrs (0.1x .. 10x the grid's best, half-decade
@@ -14,10 +14,21 @@ multipliers ``rho`` of the run's displacement from its initial parameters ``a``)
 * ``ema``: points ``a + rho (theta_bar - a)``, ``theta_bar`` an exponential average of the
   iterates over the last ``steps / 40`` steps (the valley's noise averaged away);
 * ``anneal``: the probe loss after a fork of the run is annealed linearly to 0 over
-  ``steps / 20`` steps from the current lr (what the run would score if it ended now).
+  ``steps / 20`` steps from the current lr (what the run would score if it ended now);
+* ``tempfree``: the ``iterate`` points, each scored at its own best output scale: a classifier's
+  cross-entropy of ``logits / tau`` at the best ``tau > 0``, a regression's squared error of
+  ``s * out`` at the best ``s`` (stretching the displacement scales the logits like an inverse
+  temperature, so the plain curve carries a calibration preference this takes out);
+* ``body``: points where every parameter but the output layer's (the last ``nn.Linear`` in
+  ``model.modules()``) is stretched, the output layer kept at ``theta``; plain probe loss;
+* ``body_tempfree``: the ``body`` points scored at their best output scale.
 
-Results go to ``runs/lr/diagnose.json``. Two tables are printed per signal, one column per
-checkpoint (5% .. 90% of the run): where the fitted ``rho*`` crosses 1 (the peak lr over the
+The last three are read with the global RNG forked (a dropout probe does not move the run), so
+the first three and the trajectory are those of a run without them.
+
+Results go to ``runs/lr/diagnose-temp.json`` (``--store``; ``diagnose.json`` holds the first three
+signals only, read before the global RNG was seeded per run). Two tables are printed per signal,
+one column per checkpoint (5% .. 90% of the run): where the fitted ``rho*`` crosses 1 (the peak lr over the
 grid's best, interpolated; 0: below 1 at every lr read, inf: above 1 at every lr), and which lr's
 run scores lowest on the probe (its weights at ``rho = 1``, or annealed).
 """
@@ -34,6 +45,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.lr.__main__ import GRIDS, RUNS, _load, best_of_grid
 from benchmarks.lr.prototypes import probe_at, probe_loss
@@ -49,6 +61,79 @@ def _curve(task: Any, model: torch.nn.Module, a: list[torch.Tensor],
            theta: list[torch.Tensor]) -> list[float]:
     """The probe loss at ``a + rho (theta - a)`` for each ``rho`` in :data:`RHOS`."""
     return [probe_at(task, model, [a0 + rho * (t - a0) for a0, t in zip(a, theta)]) for rho in RHOS]
+
+
+def _outputs(task: Any, model: torch.nn.Module, weights: list[torch.Tensor]) -> list[tuple[Any, Any]]:
+    """The model's outputs (float64) and targets on each probe batch at ``weights`` (then put back)."""
+    params = list(model.parameters())
+    keep = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, w in zip(params, weights):
+            p.copy_(w)
+        outs = []
+        for x, y in task.probe():
+            out = model(x).double()
+            if task.kind == "reg":
+                outs.append((out.squeeze(-1), y.double()))
+            else:
+                outs.append((out.reshape(-1, out.shape[-1]), y.reshape(-1)))
+        for p, k in zip(params, keep):
+            p.copy_(k)
+    return outs
+
+
+def _plain(task: Any, outs: list[tuple[Any, Any]], scale: float = 1.0) -> float:
+    """The probe loss (mean over batches, as :func:`probe_loss`) of the outputs times ``scale``."""
+    f = F.mse_loss if task.kind == "reg" else F.cross_entropy
+    loss = sum(float(f(o * scale, y)) for o, y in outs) / len(outs)
+    return loss if math.isfinite(loss) else math.inf
+
+
+def _scale_free(task: Any, outs: list[tuple[Any, Any]]) -> float:
+    """The probe loss at the best output scale: squared error of ``s * out`` at the least-squares
+    ``s``; cross-entropy of ``logits / tau`` at the best ``tau`` (convex in ``1 / tau``:
+    golden-section search over ``log tau`` in ``[-6, 6]``)."""
+    if not all(torch.isfinite(o).all() for o, _ in outs):
+        return math.inf
+    if task.kind == "reg":
+        oy = sum(float((o * y).mean()) for o, y in outs)
+        oo = sum(float((o * o).mean()) for o, _ in outs)
+        return _plain(task, outs, oy / oo if oo > 0 else 0.0)
+    lo, hi = -6.0, 6.0
+    g = (math.sqrt(5) - 1) / 2
+    c, d = hi - g * (hi - lo), lo + g * (hi - lo)
+    fc, fd = _plain(task, outs, math.exp(-c)), _plain(task, outs, math.exp(-d))
+    for _ in range(70):
+        if fc <= fd:
+            hi, d, fd = d, c, fc
+            c = hi - g * (hi - lo)
+            fc = _plain(task, outs, math.exp(-c))
+        else:
+            lo, c, fc = c, d, fd
+            d = lo + g * (hi - lo)
+            fd = _plain(task, outs, math.exp(-d))
+    return min(fc, fd, _plain(task, outs))
+
+
+def _head(model: torch.nn.Module) -> list[bool]:
+    """For each of ``model.parameters()``: is it one of the last ``nn.Linear``'s (the output layer)?"""
+    last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+    ids = {id(p) for p in last.parameters()}
+    return [id(p) in ids for p in model.parameters()]
+
+
+def _scale_curves(task: Any, model: torch.nn.Module, a: list[torch.Tensor],
+                  theta: list[torch.Tensor]) -> dict[str, list[float]]:
+    """The ``tempfree``, ``body`` and ``body_tempfree`` curves over :data:`RHOS`."""
+    head = _head(model)
+    out: dict[str, list[float]] = {"tempfree": [], "body": [], "body_tempfree": []}
+    for rho in RHOS:
+        full = _outputs(task, model, [a0 + rho * (t - a0) for a0, t in zip(a, theta)])
+        body = _outputs(task, model, [t if h else a0 + rho * (t - a0) for a0, t, h in zip(a, theta, head)])
+        out["tempfree"].append(_scale_free(task, full))
+        out["body"].append(_plain(task, body))
+        out["body_tempfree"].append(_scale_free(task, body))
+    return out
 
 
 def _anneal(task: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[Any]) -> float:
@@ -67,6 +152,7 @@ def _anneal(task: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, batch
 
 def read(task_name: str, lr: float, seed: int = 0) -> dict[str, Any]:
     torch.set_num_threads(1)
+    torch.manual_seed(20_000 + seed)  # dropout draws: the same whichever runs the process did before
     task = get_task(task_name)
     model = task.model(seed)
     opt = task.optimizer(model, lr)
@@ -95,6 +181,8 @@ def read(task_name: str, lr: float, seed: int = 0) -> dict[str, Any]:
                 "at": marks[t], "lr_now": opt.param_groups[0]["lr"],
                 "iterate": _curve(task, model, a, theta), "ema": _curve(task, model, a, ema),
                 "anneal": _anneal(task, model, opt, ahead)})
+            with torch.random.fork_rng(devices=[]):
+                out["checks"][-1].update(_scale_curves(task, model, a, theta))
     return out
 
 
@@ -121,12 +209,21 @@ def _crossing(values: list[float]) -> float:
 
 def tables(store: dict[str, Any], tasks: list[str]) -> str:
     out = []
-    for title, cell in (
-            ("rho* of the iterate crosses 1 at (x best)", lambda c: _log_rho_star(c["iterate"])),
-            ("rho* of the averaged weights crosses 1 at (x best)", lambda c: _log_rho_star(c["ema"])),
-            ("lowest probe loss: the run at (x best), its weights", lambda c: c["iterate"][len(RHOS) // 2]),
-            ("lowest probe loss: the run at (x best), averaged", lambda c: c["ema"][len(RHOS) // 2]),
-            ("lowest probe loss: the run at (x best), annealed", lambda c: c["anneal"])):
+    for key, title, cell in (
+            ("iterate", "rho* of the iterate crosses 1 at (x best)", lambda c: _log_rho_star(c["iterate"])),
+            ("ema", "rho* of the averaged weights crosses 1 at (x best)", lambda c: _log_rho_star(c["ema"])),
+            ("tempfree", "rho* of the iterate at its best output scale crosses 1 at (x best)",
+             lambda c: _log_rho_star(c["tempfree"])),
+            ("body", "rho* of the iterate, output layer kept, crosses 1 at (x best)",
+             lambda c: _log_rho_star(c["body"])),
+            ("body_tempfree", "rho* of the iterate, output layer kept, best scale, crosses 1 at (x best)",
+             lambda c: _log_rho_star(c["body_tempfree"])),
+            ("iterate", "lowest probe loss: the run at (x best), its weights",
+             lambda c: c["iterate"][len(RHOS) // 2]),
+            ("ema", "lowest probe loss: the run at (x best), averaged", lambda c: c["ema"][len(RHOS) // 2]),
+            ("anneal", "lowest probe loss: the run at (x best), annealed", lambda c: c["anneal"])):
+        if not any(key in r["checks"][0] for r in store.values()):
+            continue
         out.append(f"{title}; checkpoints at " + " ".join(f"{c:.0%}" for c in CHECKS))
         for t in tasks:
             runs = [store.get(f"{t}|{f:.4g}") for f in FACTORS]
@@ -148,9 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.diagnose")
     p.add_argument("--tasks", nargs="*", default=[t for t in TASKS if t not in HELD_OUT])
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--store", default="diagnose-temp.json", help="the results file in runs/lr")
     a = p.parse_args(argv)
     grids = _load(GRIDS)
-    path = RUNS / "diagnose.json"
+    path = RUNS / a.store
     store = _load(path)
     todo = []
     for t in a.tasks:
