@@ -2,12 +2,13 @@
 
 There every optimizer step all-reduces the gradient (``[*per-dtype flat gradients, count]``,
 the count being how many local replicas' gradients were let in, >= 0). Before a sync's first
-collective, and at ``converge()``, every rank sends one all-reduce of exactly that shape: zeros,
-and a marker ``-(2^40 + step)`` where a step sends its count. Ranks at the same step all send the
-marker and see ``W`` of them. A rank still at a training step pairs its gradient with it instead:
-it sees a negative count, and the rank at the sync a sum that is not ``W`` markers. Each raises a
-:class:`~hpx.errors.ConsistencyError` that says what happened, where ranks whose collectives no
-longer pair up would otherwise abort in gloo (a size mismatch) or hang.
+collective, at ``converge()`` and at ``load_checkpoint``, every rank sends one all-reduce of
+exactly that shape: zeros, and a marker ``-(2^40 + step)`` where a step sends its count. Ranks
+at the same step all send the marker and see ``W`` of them. A rank still at a training step
+pairs its gradient with it instead: it sees a negative count, and the rank at the sync a sum that
+is not ``W`` markers. Each raises a :class:`~hpx.errors.ConsistencyError` that says what
+happened, where ranks whose collectives no longer pair up would otherwise abort in gloo (a size
+mismatch) or hang.
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ from hpx.errors import ConsistencyError
 
 _FIX = ("the ranks ran different numbers of optimizer steps since the last sync, and in shared mode "
         "every step's gradient all-reduce must pair with the same step's on every rank. Give every "
-        "rank as many batches (drop_last=True, one length per rank), and skip a bad batch on every "
-        "rank or on none")
+        "rank as many batches (drop_last=True, one length per rank), skip a bad batch on every rank "
+        "or on none, and call load_checkpoint on every rank")
 
 
 def check_aligned(collective: Collective, model: torch.nn.Module, step: int, when: str,
                   crossed: Sequence[torch.Tensor | None]) -> None:
     """The marker all-reduce; ``crossed``: the step paths' device flags (a step met a sync)."""
     if any(c is not None and bool(c) for c in crossed):  # the host read, once per sync
-        raise ConsistencyError(f"a training step of this rank met another rank's sync (found at the sync "
-                               f"of step {step}): {_FIX}")
+        raise ConsistencyError(f"a training step of this rank met another rank's sync, converge() or "
+                               f"load_checkpoint (found at the sync of step {step}): {_FIX}")
     marker = -(2.0 ** 40 + step)  # any sum with one in it is < 0, since counts are >= 0
     params = [p for p in model.parameters() if p.requires_grad]
     sizes: dict[tuple[torch.device, torch.dtype], int] = {}
@@ -50,7 +51,8 @@ def met_a_sync(count: torch.Tensor, crossed: torch.Tensor | None) -> torch.Tenso
     or-ed into ``crossed``) and raised at the next sync."""
     if count.device.type == "cpu":
         if float(count.reshape(-1)[0]) < 0:
-            raise ConsistencyError(f"a training step of this rank met another rank's sync: {_FIX}")
+            raise ConsistencyError("a training step of this rank met another rank's sync, converge() or "
+                                   f"load_checkpoint: {_FIX}")
         return crossed
     neg = count.reshape(-1)[0] < 0
     return neg if crossed is None else crossed | neg

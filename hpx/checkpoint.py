@@ -207,6 +207,8 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     if not isinstance(required, bool):
         problems.append(f"required must be True or False (got {required!r})")
     ConfigError.check(problems)
+    # shared mode over processes: a rank that trains instead of loading meets this, not a hang
+    engine._check_aligned("loading a checkpoint")
     _clean_stale(root, _processes(engine).rank)
     load = _load_elastic if elastic else _load_sharded if _sharded(engine) else _load_own
     step = load(root, engine, extra, rng)

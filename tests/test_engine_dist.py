@@ -14,6 +14,7 @@ import datetime
 import inspect
 import logging
 import math
+import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -405,6 +406,17 @@ def _uneven_steps(backend: TorchDistributed) -> dict:
         except ConsistencyError as exc:
             error = str(exc)
         out[case] = {"error": error, "steps": done, "step_count": engine.step_count}
+    # rank 1 starts training where the others load a checkpoint (a first run: nothing to load)
+    torch.manual_seed(0)
+    engine = hpx.Engine(_Net(), _optimizer, _knobs(0.3), backend=backend, replicas=1, sync_every=3, seed=0)
+    try:
+        if rank == 1:
+            engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+        else:
+            hpx.load_checkpoint(Path(tempfile.mkdtemp()) / "run", engine)
+        out["no_load"] = None
+    except ConsistencyError as exc:
+        out["no_load"] = str(exc)
     return out
 
 
@@ -831,3 +843,12 @@ def test_ranks_that_ran_different_numbers_of_steps_fail_clearly_in_shared_mode(r
             assert odd["steps"] == 5 and "met another rank's sync" in odd["error"]
             assert all(o["steps"] == 5 and "converging at the end of training at step 5" in o["error"]
                        for o in rest)
+
+
+def test_a_rank_that_trains_while_the_others_load_a_checkpoint_fails_clearly(ranks):
+    """Every rank must call load_checkpoint: one that starts training instead meets the others'
+    load, and every rank says so (before: a gloo abort on a size mismatch)."""
+    assert "met another rank's sync, converge() or load_checkpoint" in ranks[1]["uneven"]["no_load"]
+    for r in (0, 2, 3):
+        got = ranks[r]["uneven"]["no_load"]
+        assert "loading a checkpoint at step 0, another rank was at a training step" in got
