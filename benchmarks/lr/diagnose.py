@@ -21,16 +21,28 @@ multipliers ``rho`` of the run's displacement from its initial parameters ``a``)
   temperature, so the plain curve carries a calibration preference this takes out);
 * ``body``: points where every parameter but the output layer's (the last ``nn.Linear`` in
   ``model.modules()``) is stretched, the output layer kept at ``theta``; plain probe loss;
-* ``body_tempfree``: the ``body`` points scored at their best output scale.
+* ``body_tempfree``: the ``body`` points scored at their best output scale;
+* ``lag50``: points ``theta_h + rho (theta - theta_h)``, ``theta_h`` the run's weights at half the
+  elapsed steps (the anchor moves with the run instead of staying at ``a``);
+* ``lag5``: points ``theta_5 + rho (theta - theta_5)``, ``theta_5`` the weights at 5% of the run
+  (after the first descent; at the 5% checkpoint itself ``a``);
+* ``dir``: the ``iterate`` points with each parameter tensor rescaled to its norm in ``theta``
+  (zero-norm tensors kept): the stretch turns the weights without scaling any tensor;
+* ``mix`` (a table, not a curve): the mean of the fitted ``log rho*`` of ``iterate`` and ``dir``.
 
-The last three are read with the global RNG forked (a dropout probe does not move the run), so
-the first three and the trajectory are those of a run without them.
+The last three curves use only the parameters and the scalar probe loss (what a generic library
+has); each is read from the RNG state the ``iterate`` curve starts from (the same dropout draws
+as ``iterate`` at each ``rho``) and restores it. ``tempfree``, ``body`` and ``body_tempfree``
+are read with the global RNG forked too, so ``iterate``, ``ema``, ``anneal`` and the trajectory are
+those of a run without any of them.
 
 Results go to ``runs/lr/diagnose-temp.json`` (``--store``; ``diagnose.json`` holds the first three
-signals only, read before the global RNG was seeded per run). Two tables are printed per signal,
+signals only, read before the global RNG was seeded per run; ``diagnose-proxy.json`` all of them,
+the generic proxies included). Two tables are printed per signal,
 one column per checkpoint (5% .. 90% of the run): where the fitted ``rho*`` crosses 1 (the peak lr over the
 grid's best, interpolated; 0: below 1 at every lr read, inf: above 1 at every lr), and which lr's
-run scores lowest on the probe (its weights at ``rho = 1``, or annealed).
+run scores lowest on the probe (its weights at ``rho = 1``, or annealed). A last table counts, per
+signal and task, the checkpoints from 15% to 90% whose crossing lies in :data:`BAND`.
 """
 
 from __future__ import annotations
@@ -55,12 +67,37 @@ from hpx.search._util import parabola_min
 RHOS = [1.5 ** (k / 3) for k in range(-3, 4)]  # 1/1.5 .. 1.5, 7 points
 CHECKS = [0.05 * k for k in range(1, 19)]  # 5% .. 90% of the run
 FACTORS = [0.1, 10 ** -0.5, 1.0, 10 ** 0.5, 10.0]
+BAND = (10 ** -0.5, 10 ** 0.5)  # a crossing within half a decade of the grid's best counts as found
 
 
 def _curve(task: Any, model: torch.nn.Module, a: list[torch.Tensor],
            theta: list[torch.Tensor]) -> list[float]:
     """The probe loss at ``a + rho (theta - a)`` for each ``rho`` in :data:`RHOS`."""
     return [probe_at(task, model, [a0 + rho * (t - a0) for a0, t in zip(a, theta)]) for rho in RHOS]
+
+
+def _lagged(task: Any, model: torch.nn.Module, anchor: list[torch.Tensor],
+            theta: list[torch.Tensor]) -> list[float]:
+    """:func:`_curve` from ``anchor`` (read from the current RNG state, which is then restored)."""
+    with torch.random.fork_rng(devices=[]):
+        return _curve(task, model, anchor, theta)
+
+
+def _renorm(point: list[torch.Tensor], theta: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor of ``point`` rescaled to the norm of its tensor in ``theta`` (zero norms kept)."""
+    out = []
+    for x, t in zip(point, theta):
+        nx, nt = float(x.norm()), float(t.norm())
+        out.append(x * (nt / nx) if nx > 0 and nt > 0 else x)
+    return out
+
+
+def _dir_curve(task: Any, model: torch.nn.Module, a: list[torch.Tensor],
+               theta: list[torch.Tensor]) -> list[float]:
+    """The probe loss at the ``iterate`` points, each tensor at its norm in ``theta`` (RNG restored)."""
+    with torch.random.fork_rng(devices=[]):
+        return [probe_at(task, model, _renorm([a0 + rho * (t - a0) for a0, t in zip(a, theta)], theta))
+                for rho in RHOS]
 
 
 def _outputs(task: Any, model: torch.nn.Module, weights: list[torch.Tensor]) -> list[tuple[Any, Any]]:
@@ -163,6 +200,9 @@ def read(task_name: str, lr: float, seed: int = 0) -> dict[str, Any]:
     ema = [p.detach().clone() for p in model.parameters()]
     beta = 1 - 1 / max(1.0, task.steps / 40)
     marks = {max(1, round(c * task.steps)): c for c in CHECKS}
+    halves = {t: round(t / 2) for t in marks}  # each checkpoint's lag50 anchor (step 0: a)
+    snaps: dict[int, list[torch.Tensor]] = {0: a}
+    first, anchor5 = min(marks), a  # lag5's anchor: a, then the weights at the 5% checkpoint
     m_anneal = max(2, task.steps // 20)
     out: dict[str, Any] = {"task": task_name, "lr": lr, "checks": []}
     model.train()
@@ -174,8 +214,13 @@ def read(task_name: str, lr: float, seed: int = 0) -> dict[str, Any]:
         sched.step()
         with torch.no_grad():
             torch._foreach_lerp_(ema, list(model.parameters()), 1 - beta)
+        if t in halves.values():
+            snaps[t] = [p.detach().clone() for p in model.parameters()]
         if t in marks:
             theta = [p.detach().clone() for p in model.parameters()]
+            proxies = {"lag50": _lagged(task, model, snaps[halves[t]], theta),
+                       "lag5": _lagged(task, model, anchor5, theta),
+                       "dir": _dir_curve(task, model, a, theta)}
             ahead = batches[t:t + m_anneal] if t + m_anneal <= len(batches) else batches[:m_anneal]
             out["checks"].append({
                 "at": marks[t], "lr_now": opt.param_groups[0]["lr"],
@@ -183,6 +228,9 @@ def read(task_name: str, lr: float, seed: int = 0) -> dict[str, Any]:
                 "anneal": _anneal(task, model, opt, ahead)})
             with torch.random.fork_rng(devices=[]):
                 out["checks"][-1].update(_scale_curves(task, model, a, theta))
+            out["checks"][-1].update(proxies)
+            if t == first:
+                anchor5 = theta
     return out
 
 
@@ -207,37 +255,72 @@ def _crossing(values: list[float]) -> float:
     return 0.0 if all(v <= 0 for v in values) else math.inf
 
 
+def _star(key: str) -> Any:
+    return lambda c: _log_rho_star(c[key])
+
+
+# (its name in the counts, the curve it needs, title, the signed reading per checkpoint: > 0 says
+# raise the lr)
+CROSSINGS = (
+    ("iterate", "iterate", "rho* of the iterate crosses 1 at (x best)", _star("iterate")),
+    ("ema", "ema", "rho* of the averaged weights crosses 1 at (x best)", _star("ema")),
+    ("tempfree", "tempfree", "rho* of the iterate at its best output scale crosses 1 at (x best)",
+     _star("tempfree")),
+    ("body", "body", "rho* of the iterate, output layer kept, crosses 1 at (x best)", _star("body")),
+    ("body_tempfree", "body_tempfree",
+     "rho* of the iterate, output layer kept, best scale, crosses 1 at (x best)", _star("body_tempfree")),
+    ("lag50", "lag50", "rho* from the weights at half the steps crosses 1 at (x best)", _star("lag50")),
+    ("lag5", "lag5", "rho* from the weights at 5% of the run crosses 1 at (x best)", _star("lag5")),
+    ("dir", "dir", "rho* of the iterate, each tensor at its norm, crosses 1 at (x best)", _star("dir")),
+    ("mix", "dir", "mean log rho* of iterate and dir crosses 1 at (x best)",
+     lambda c: (_log_rho_star(c["iterate"]) + _log_rho_star(c["dir"])) / 2))
+LOWEST = (
+    ("iterate", "iterate", "lowest probe loss: the run at (x best), its weights",
+     lambda c: c["iterate"][len(RHOS) // 2]),
+    ("ema", "ema", "lowest probe loss: the run at (x best), averaged", lambda c: c["ema"][len(RHOS) // 2]),
+    ("anneal", "anneal", "lowest probe loss: the run at (x best), annealed", lambda c: c["anneal"]))
+
+
+def _rows(store: dict[str, Any], tasks: list[str], cell: Any, crossing: bool) -> dict[str, list[float]]:
+    """Per task with all its runs read: one value per checkpoint (a crossing, or the lowest run)."""
+    rows = {}
+    for t in tasks:
+        runs = [store.get(f"{t}|{f:.4g}") for f in FACTORS]
+        if any(r is None for r in runs):
+            continue
+        row = []
+        for k in range(len(CHECKS)):
+            v = [cell(r["checks"][k]) for r in runs]
+            if crossing:
+                row.append(_crossing(v))
+            else:
+                v = [x if math.isfinite(x) else math.inf for x in v]
+                row.append(FACTORS[min(range(len(v)), key=v.__getitem__)])
+        rows[t] = row
+    return rows
+
+
 def tables(store: dict[str, Any], tasks: list[str]) -> str:
     out = []
-    for key, title, cell in (
-            ("iterate", "rho* of the iterate crosses 1 at (x best)", lambda c: _log_rho_star(c["iterate"])),
-            ("ema", "rho* of the averaged weights crosses 1 at (x best)", lambda c: _log_rho_star(c["ema"])),
-            ("tempfree", "rho* of the iterate at its best output scale crosses 1 at (x best)",
-             lambda c: _log_rho_star(c["tempfree"])),
-            ("body", "rho* of the iterate, output layer kept, crosses 1 at (x best)",
-             lambda c: _log_rho_star(c["body"])),
-            ("body_tempfree", "rho* of the iterate, output layer kept, best scale, crosses 1 at (x best)",
-             lambda c: _log_rho_star(c["body_tempfree"])),
-            ("iterate", "lowest probe loss: the run at (x best), its weights",
-             lambda c: c["iterate"][len(RHOS) // 2]),
-            ("ema", "lowest probe loss: the run at (x best), averaged", lambda c: c["ema"][len(RHOS) // 2]),
-            ("anneal", "lowest probe loss: the run at (x best), annealed", lambda c: c["anneal"])):
-        if not any(key in r["checks"][0] for r in store.values()):
-            continue
-        out.append(f"{title}; checkpoints at " + " ".join(f"{c:.0%}" for c in CHECKS))
-        for t in tasks:
-            runs = [store.get(f"{t}|{f:.4g}") for f in FACTORS]
-            if any(r is None for r in runs):
+    counts = []
+    late = [k for k, c in enumerate(CHECKS) if c > 0.1 + 1e-9]  # 15% .. 90%
+    for crossing, specs in ((True, CROSSINGS), (False, LOWEST)):
+        for name, key, title, cell in specs:
+            if not any(key in r["checks"][0] for r in store.values()):
                 continue
-            row = []
-            for k in range(len(CHECKS)):
-                v = [cell(r["checks"][k]) for r in runs]
-                if title.startswith("rho*"):
-                    row.append(_crossing(v))
-                else:
-                    v = [x if math.isfinite(x) else math.inf for x in v]
-                    row.append(FACTORS[min(range(len(v)), key=v.__getitem__)])
-            out.append(f"  {t:18s} " + " ".join(f"{x:5.2g}" for x in row))
+            rows = _rows(store, tasks, cell, crossing)
+            out.append(f"{name}: {title}; checkpoints at " + " ".join(f"{c:.0%}" for c in CHECKS))
+            out.extend(f"  {t:18s} " + " ".join(f"{x:5.2g}" for x in row) for t, row in rows.items())
+            if crossing:
+                counts.append((name, {t: sum(BAND[0] <= row[k] <= BAND[1] for k in late)
+                                      for t, row in rows.items()}))
+    if counts:
+        names = list(counts[0][1])
+        out.append(f"checkpoints 15%..90% ({len(late)}) with the crossing in {BAND[0]:.3g}x..{BAND[1]:.3g}x")
+        out.append("  " + " " * 14 + "".join(f"{t[:12]:>13s}" for t in names) + "        total")
+        for name, c in counts:
+            out.append(f"  {name:14s}" + "".join(f"{c.get(t, 0):13d}" for t in names)
+                       + f"{sum(c.values()):13d}")
     return "\n".join(out)
 
 
