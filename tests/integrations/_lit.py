@@ -71,6 +71,20 @@ class Report(pl.Callback):
         }))
 
 
+class EndGroup(pl.Callback):
+    """Destroys the gloo process group when a ``ddp_spawn`` child's fit ends (put it last).
+
+    Lightning destroys the group at exit only for NCCL; a spawned child that exits with a gloo
+    group alive tears it down during interpreter shutdown, which can abort the process
+    ("terminate called without an active exception") after the fit has finished. Nothing runs a
+    collective after the callbacks' teardown in a ``ddp_spawn`` child (the results go back to
+    the parent through a queue)."""
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
 class InProcess(pl.LightningModule):
     """N replicas in one process: manual optimization, hpx.autolr's engine steps them all."""
 

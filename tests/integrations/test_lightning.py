@@ -13,10 +13,12 @@ pl = pytest.importorskip("lightning.pytorch")
 
 import hpx  # noqa: E402
 from hpx.integrations.lightning import AutoLR  # noqa: E402
-from tests.integrations._lit import Digits, Report, loader, probe, probe_loss  # noqa: E402
+from tests.integrations._lit import Digits, EndGroup, Report, loader, probe, probe_loss  # noqa: E402
 
 
 def _trainer(tmp_path, steps, devices=1, **kw):
+    if kw.get("strategy") == "ddp_spawn":  # the children end their gloo group themselves (EndGroup)
+        kw["callbacks"] = [*kw.get("callbacks", []), EndGroup()]
     return pl.Trainer(accelerator="cpu", devices=devices, max_steps=steps,
                       logger=pl.loggers.CSVLogger(tmp_path), enable_progress_bar=False,
                       enable_model_summary=False, num_sanity_val_steps=0,
