@@ -8,7 +8,8 @@ at the same step all send the marker and see ``W`` of them. A rank still at a tr
 pairs its gradient with it instead: it sees a negative count, and the rank at the sync a sum that
 is not ``W`` markers. Each raises a :class:`~hpx.errors.ConsistencyError` that says what
 happened, where ranks whose collectives no longer pair up would otherwise abort in gloo (a size
-mismatch) or hang.
+mismatch) or hang. The price, per sync: one gradient-sized all-reduce, and a zero buffer of one
+gradient's size while it runs (a step of the flat-bucket path allocates as much for its sums).
 """
 
 from __future__ import annotations

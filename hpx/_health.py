@@ -93,4 +93,3 @@ def _norm(tensors: list[torch.Tensor]) -> torch.Tensor:
     if not tensors:
         return torch.zeros(())
     return torch.stack([n.float() for n in torch._foreach_norm(tensors)]).norm()
-
