@@ -1,6 +1,6 @@
 """Read candidate search signals off plain training, at each grid lr, without any search acting.
 
-    python -m benchmarks.lr.diagnose [--tasks ...] [--jobs 2] [--store diagnose-temp.json]
+    python -m benchmarks.lr.diagnose [--tasks ...] [--jobs 2] [--store diagnose-temp.json] [--light]
 
 A signal that a controller moves the lr by has its fixed point where the signal crosses zero.
 Reading the signal off plain runs at fixed peak lrs (0.1x .. 10x the grid's best, half-decade
@@ -28,7 +28,14 @@ multipliers ``rho`` of the run's displacement from its initial parameters ``a``)
   (after the first descent; at the 5% checkpoint itself ``a``);
 * ``dir``: the ``iterate`` points with each parameter tensor rescaled to its norm in ``theta``
   (zero-norm tensors kept): the stretch turns the weights without scaling any tensor;
-* ``mix`` (a table, not a curve): the mean of the fitted ``log rho*`` of ``iterate`` and ``dir``.
+* ``mix`` (a table, not a curve): the mean of the fitted ``log rho*`` of ``iterate`` and ``dir``;
+* ``dog_peak``, ``dog_mean`` (no probe, read off the trajectory at every step): DoG's step size
+  (distance over gradients, Ivgi et al. 2023) for the optimizer's own direction. With ``x_i`` the
+  weights before step ``i`` and ``lr_i`` the lr it used (param group 0's), ``u_i = (x_i - x_{i+1})
+  / lr_i`` is the update per unit lr (momentum, preconditioning and weight decay in it; steps at
+  ``lr_i = 0`` skipped), ``S_t = sum ||u_i||^2``, ``R_t = max ||x_i - x_0||`` and
+  ``eta_dog = R_t / sqrt(S_t)``; ``dog_peak`` is ``eta_dog`` over the run's peak lr, ``dog_mean``
+  over the mean ``lr_i`` so far (the signal is the log10 of each: it crosses where the ratio is 1).
 
 The last three curves use only the parameters and the scalar probe loss (what a generic library
 has); each is read from the RNG state the ``iterate`` curve starts from (the same dropout draws
@@ -36,13 +43,17 @@ as ``iterate`` at each ``rho``) and restores it. ``tempfree``, ``body`` and ``bo
 are read with the global RNG forked too, so ``iterate``, ``ema``, ``anneal`` and the trajectory are
 those of a run without any of them.
 
-Results go to ``runs/lr/diagnose-temp.json`` (``--store``; ``diagnose.json`` holds the first three
-signals only, read before the global RNG was seeded per run; ``diagnose-proxy.json`` all of them,
-the generic proxies included). Two tables are printed per signal,
-one column per checkpoint (5% .. 90% of the run): where the fitted ``rho*`` crosses 1 (the peak lr over the
-grid's best, interpolated; 0: below 1 at every lr read, inf: above 1 at every lr), and which lr's
-run scores lowest on the probe (its weights at ``rho = 1``, or annealed). A last table counts, per
-signal and task, the checkpoints from 15% to 90% whose crossing lies in :data:`BAND`.
+``--light`` reads only ``iterate`` and the DoG ratios (the probe forwards of ``iterate`` read from a
+forked RNG, so the trajectory is the plain run's, untouched by any probe: dropout tasks then differ
+from the full read's, which draws the probes' dropout from the run's RNG); ``diagnose-dog.json``
+holds a light read. Results go to ``runs/lr/diagnose-temp.json`` (``--store``; ``diagnose.json``
+holds the first three signals only, read before the global RNG was seeded per run;
+``diagnose-proxy.json`` all of them, the generic proxies included). Two tables are printed per
+signal, one column per checkpoint (5% .. 90% of the run): where the fitted ``rho*`` (or the DoG
+ratio) crosses 1 (the peak lr over the grid's best, interpolated; 0: below 1 at every lr read,
+inf: above 1 at every lr), and which lr's run scores lowest on the probe (its weights at
+``rho = 1``, or annealed). A last table counts, per signal and task, the checkpoints from 15% to
+90% whose crossing lies in :data:`BAND`.
 """
 
 from __future__ import annotations
@@ -187,7 +198,14 @@ def _anneal(task: Any, model: torch.nn.Module, opt: torch.optim.Optimizer, batch
     return probe_loss(task, m)
 
 
-def read(task_name: str, lr: float, seed: int = 0) -> dict[str, Any]:
+def _dog(lr_peak: float, r_max: float, s_sum: float, lr_sum: float, n: int) -> dict[str, float]:
+    """The DoG ratios at a checkpoint: ``R / sqrt(S)`` over the peak lr and over the mean lr so far."""
+    eta = r_max / math.sqrt(s_sum) if s_sum > 0 else math.inf
+    mean = eta / (lr_sum / n) if lr_sum > 0 else math.inf
+    return {"dog_eta": eta, "dog_peak": eta / lr_peak, "dog_mean": mean}
+
+
+def read(task_name: str, lr: float, seed: int = 0, light: bool = False) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(20_000 + seed)  # dropout draws: the same whichever runs the process did before
     task = get_task(task_name)
@@ -205,15 +223,35 @@ def read(task_name: str, lr: float, seed: int = 0) -> dict[str, Any]:
     first, anchor5 = min(marks), a  # lag5's anchor: a, then the weights at the 5% checkpoint
     m_anneal = max(2, task.steps // 20)
     out: dict[str, Any] = {"task": task_name, "lr": lr, "checks": []}
+    params = list(model.parameters())
+    r_max = s_sum = lr_sum = 0.0  # DoG: max distance from a, sum of squared unit-lr update norms, sum of lrs
     model.train()
     for t, b in enumerate(batches, 1):
         loss = task.loss(model, b)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        lr_i = opt.param_groups[0]["lr"]
+        with torch.no_grad():
+            before = torch._foreach_mul(params, 1.0)
         opt.step()
         sched.step()
         with torch.no_grad():
-            torch._foreach_lerp_(ema, list(model.parameters()), 1 - beta)
+            lr_sum += lr_i
+            if lr_i != 0:
+                torch._foreach_sub_(before, params)
+                s_sum += sum(float(n) ** 2 for n in torch._foreach_norm(before)) / lr_i ** 2
+            r_max = max(r_max, math.sqrt(sum(float(n) ** 2 for n in torch._foreach_norm(
+                torch._foreach_sub(params, a)))))
+            if not light:
+                torch._foreach_lerp_(ema, params, 1 - beta)
+        if t in marks and light:
+            theta = [p.detach().clone() for p in params]
+            with torch.random.fork_rng(devices=[]):
+                check = {"at": marks[t], "lr_now": opt.param_groups[0]["lr"],
+                         "iterate": _curve(task, model, a, theta)}
+            check.update(_dog(lr, r_max, s_sum, lr_sum, t))
+            out["checks"].append(check)
+            continue
         if t in halves.values():
             snaps[t] = [p.detach().clone() for p in model.parameters()]
         if t in marks:
@@ -229,6 +267,7 @@ def read(task_name: str, lr: float, seed: int = 0) -> dict[str, Any]:
             with torch.random.fork_rng(devices=[]):
                 out["checks"][-1].update(_scale_curves(task, model, a, theta))
             out["checks"][-1].update(proxies)
+            out["checks"][-1].update(_dog(lr, r_max, s_sum, lr_sum, t))
             if t == first:
                 anchor5 = theta
     return out
@@ -259,6 +298,11 @@ def _star(key: str) -> Any:
     return lambda c: _log_rho_star(c[key])
 
 
+def _log_ratio(key: str) -> Any:
+    """log10 of a ratio (clamped to +-30, so a blown-up run's crossing stays interpolable)."""
+    return lambda c: max(-30.0, min(30.0, math.log10(c[key]) if c[key] > 0 else -30.0))
+
+
 # (its name in the counts, the curve it needs, title, the signed reading per checkpoint: > 0 says
 # raise the lr)
 CROSSINGS = (
@@ -273,7 +317,11 @@ CROSSINGS = (
     ("lag5", "lag5", "rho* from the weights at 5% of the run crosses 1 at (x best)", _star("lag5")),
     ("dir", "dir", "rho* of the iterate, each tensor at its norm, crosses 1 at (x best)", _star("dir")),
     ("mix", "dir", "mean log rho* of iterate and dir crosses 1 at (x best)",
-     lambda c: (_log_rho_star(c["iterate"]) + _log_rho_star(c["dir"])) / 2))
+     lambda c: (_log_rho_star(c["iterate"]) + _log_rho_star(c["dir"])) / 2),
+    ("dog_peak", "dog_peak", "DoG's R / sqrt(S) over the peak lr crosses 1 at (x best)",
+     _log_ratio("dog_peak")),
+    ("dog_mean", "dog_mean", "DoG's R / sqrt(S) over the mean lr so far crosses 1 at (x best)",
+     _log_ratio("dog_mean")))
 LOWEST = (
     ("iterate", "iterate", "lowest probe loss: the run at (x best), its weights",
      lambda c: c["iterate"][len(RHOS) // 2]),
@@ -329,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", nargs="*", default=[t for t in TASKS if t not in HELD_OUT])
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--store", default="diagnose-temp.json", help="the results file in runs/lr")
+    p.add_argument("--light", action="store_true",
+                   help="read only iterate and the DoG ratios (no other probe; the probe on a forked RNG)")
     a = p.parse_args(argv)
     grids = _load(GRIDS)
     path = RUNS / a.store
@@ -341,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             if key not in store:
                 todo.append((key, t, lrs[i] * f))
     with ProcessPoolExecutor(a.jobs) as pool:
-        futs = {pool.submit(read, t, lr): key for key, t, lr in todo}
+        futs = {pool.submit(read, t, lr, light=a.light): key for key, t, lr in todo}
         for f in as_completed(futs):
             store[futs[f]] = f.result()
             print(futs[f], file=sys.stderr)
