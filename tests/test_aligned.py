@@ -56,3 +56,16 @@ def test_the_marker_is_shaped_like_a_step_and_tells_a_sync_from_a_step():
     assert same.shapes == [((16,), torch.float32), ((10,), torch.float64), ((1,), torch.float64)]
     with pytest.raises(ConsistencyError, match=r"syncing at step 5, another rank was at a training step"):
         check_aligned(_Peer(1.0), model, 5, "syncing", [None])  # the other rank sent a count of 1
+
+
+def test_on_an_accelerator_a_crossing_is_kept_on_the_device_and_raised_at_the_next_sync():
+    """The device path, run on the CPU: nothing is read back at the step; the flag, or-ed over
+    steps, makes the next sync raise before its collective."""
+    count = torch.tensor([1.0], dtype=torch.float64)
+    crossed = met_a_sync(count, None, host=False)
+    assert torch.is_tensor(crossed) and not bool(crossed)
+    crossed = met_a_sync(torch.tensor([1.0 - 2.0 ** 40], dtype=torch.float64), crossed, host=False)
+    crossed = met_a_sync(count, crossed, host=False)  # a later, normal step keeps it set
+    assert bool(crossed)
+    with pytest.raises(ConsistencyError, match=r"met another rank's sync.*found at the sync of step 9"):
+        check_aligned(_Untouchable(), torch.nn.Linear(2, 2), 9, "syncing", [crossed])
