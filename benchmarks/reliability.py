@@ -743,7 +743,17 @@ def _table(rows: list[Row], wall: float, command: str) -> str:
               "Also tested (`tests/test_engine_dist.py`, 4 gloo ranks): ranks built with different "
               "settings, knobs or modes, or resumed from different steps, raise a `ConsistencyError` "
               "naming the disagreement within one collective instead of hanging; a rank that lost "
-              "its newest checkpoint makes every rank resume from the newest common one.", ""]
+              "its newest checkpoint makes every rank resume from the newest common one. In shared "
+              "mode, where every step all-reduces the gradient, a rank that ran one step fewer or one "
+              "step more than the others (uneven data) raises a `ConsistencyError` that says so on "
+              "every rank: before each sync and at `converge()` the ranks send one all-reduce shaped "
+              "exactly like a step's, with a marker where a step sends its count, so a rank still at a "
+              "training step pairs with it instead of aborting in gloo on a size mismatch (the test "
+              "hung until its 150 s timeout without the marker). `load_checkpoint` sends the same "
+              "all-reduce first, so a rank that starts training while the others load fails with the "
+              "same error, on every rank. Its cost is one gradient-sized all-reduce per sync. Under "
+              "DDP the gradient all-reduces are DDP's own: uneven inputs there are DDP's to handle "
+              "(its `join()`).", ""]
     return "\n".join(lines)
 
 
