@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from hpx._buckets import dtype_groups
 from hpx.backends.base import Collective
 from hpx.errors import ConsistencyError
 
@@ -35,12 +36,11 @@ def check_aligned(collective: Collective, model: torch.nn.Module, step: int, whe
                                f"load_checkpoint (found at the sync of step {step}): {_FIX}")
     marker = -(2.0 ** 40 + step)  # any sum with one in it is < 0, since counts are >= 0
     params = [p for p in model.parameters() if p.requires_grad]
-    sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-    for p in params:  # the step's groups, in the same order (first appearance)
-        sizes[(p.device, p.dtype)] = sizes.get((p.device, p.dtype), 0) + p.numel()
+    zeros = [torch.zeros(sum(params[i].numel() for i in idx), device=d, dtype=t)  # the step's groups
+             for (d, t), idx in dtype_groups(params).items()]
     dev = params[0].device if params else torch.device("cpu")
     flag = torch.full((1,), marker, dtype=torch.float64, device=dev)
-    collective.all_reduce_sum_([*(torch.zeros(n, device=d, dtype=t) for (d, t), n in sizes.items()), flag])
+    collective.all_reduce_sum_([*zeros, flag])
     if float(flag) != marker * collective.world_size:
         raise ConsistencyError(f"{when} at step {step}, another rank was at a training step (or at another "
                                f"step's sync): {_FIX}")

@@ -6,7 +6,19 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["plan_buckets"]
+__all__ = ["dtype_groups", "plan_buckets"]
+
+
+def dtype_groups(tensors: Sequence[torch.Tensor], *, skip_empty: bool = False
+                 ) -> dict[tuple[torch.device, torch.dtype], list[int]]:
+    """Indices of ``tensors`` by (device, dtype), the groups in first-appearance order: the one
+    grouping of the flat gradient buffers and of every message shaped like them (every rank
+    must form the same groups in the same order)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() or not skip_empty:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    return groups
 
 
 def plan_buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[int]]:
@@ -18,10 +30,7 @@ def plan_buckets(tensors: Sequence[torch.Tensor], cap_bytes: int) -> list[list[i
     tensors fill a bucket in order until the next would exceed ``cap_bytes``, so a
     tensor bigger than the cap travels alone. Empty tensors are left out.
     """
-    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, t in enumerate(tensors):
-        if t.numel():
-            groups.setdefault((t.device, t.dtype), []).append(i)
+    groups = dtype_groups(tensors, skip_empty=True)
     buckets: list[list[int]] = []
     for idx in groups.values():
         current: list[int] = []

@@ -13,6 +13,7 @@ import torch
 
 from hpx import _checks
 from hpx._aligned import check_aligned, met_a_sync
+from hpx._buckets import dtype_groups
 from hpx._health import _Health, _norm
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError
@@ -251,9 +252,7 @@ class _OneGradient:
         self.params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
         self.host = host
         first = self.params[0]
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(first):
-            groups.setdefault((p.device, p.dtype), []).append(i)
+        groups = dtype_groups(first)
         self._buffers: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (one, scratch) per group
         self.one: list[torch.Tensor] = [torch.empty(0)] * len(first)  # per parameter: its view
         self._into: list[torch.Tensor] = [torch.empty(0)] * len(first)  # where backward writes
@@ -381,10 +380,7 @@ class _GradBuckets:
     def _build(self) -> None:
         replicas = self._replicas
         params = [[p for p in r.model.parameters() if p.requires_grad] for r in replicas]
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(params[0]):
-            groups.setdefault((p.device, p.dtype), []).append(i)
-        for (device, dtype), idx in groups.items():
+        for (device, dtype), idx in dtype_groups(params[0]).items():
             sizes = [params[0][i].numel() for i in idx]
             buf = torch.zeros(len(replicas), sum(sizes), device=device, dtype=dtype)
             self.buffers.append(buf)
