@@ -54,6 +54,11 @@ ratio) crosses 1 (the peak lr over the grid's best, interpolated; 0: below 1 at 
 inf: above 1 at every lr), and which lr's run scores lowest on the probe (its weights at
 ``rho = 1``, or annealed). A last table counts, per signal and task, the checkpoints from 15% to
 90% whose crossing lies in :data:`BAND`.
+
+The screens quoted in docs/method.md read the 11 design tasks of the time (the default list has
+15 since four first held-out tasks became design tasks): ``--tasks digits_mlp digits_cnn_bn
+digits_cnn char_transformer char_gru cancer_dropout bert_tiny wine_short teacher_long digits_noisy
+char_mlp``.
 """
 
 from __future__ import annotations
