@@ -156,6 +156,65 @@ def test_forks_that_share_the_steps_keep_the_run_on_its_clock_and_step_count():
     assert task.evaluate(final) < task.evaluate(task.model(0))
 
 
+def _halving_calls(lr, **kw):
+    from benchmarks.lr import prototypes
+
+    task = replace(TASKS["digits_mlp"], steps=60)
+    model = task.model(0)
+    opt = task.optimizer(model, lr)
+    gen = torch.Generator().manual_seed(3)
+    batches = [task.sample(gen) for _ in range(task.steps)]
+    calls = []
+    real = prototypes._step
+    prototypes._step = lambda *a: calls.append((a[3], a[1][2])) or real(*a)
+    try:
+        final, factor = prototypes.halving(task, model, opt, task.scheduler(opt), batches, **kw)
+    finally:
+        prototypes._step = real
+    return task, final, factor, calls
+
+
+def test_successive_halving_runs_whole_forks_and_cuts_them_on_time():
+    task, final, factor, calls = _halving_calls(0.1)
+    # 5 forks to step 6, 3 to step 15, 2 to step 30, then one: 30 + 27 + 30 + 30 optimizer steps
+    assert len(calls) == 117
+    assert factor in {10 ** (k / 2) for k in range(-2, 3)}
+    assert {f for f, _ in calls[-30:]} == {factor}
+    # the survivor is a whole run on its own schedule: its scheduler ends where plain training's does
+    assert calls[-1][1].last_epoch == 60
+    assert task.evaluate(final) < task.evaluate(task.model(0))
+    # scoring a fork at an annealed copy adds the copies' steps (3 per fork and cut) and moves no fork
+    _, _, _, cooled = _halving_calls(0.1, cool=0.05)
+    assert len(cooled) == 117 + 3 * (5 + 3 + 2)
+    # after the first cut's 30 steps, the first copy's lr factor falls linearly toward 0
+    ramp = [f for f, _ in cooled[30:33]]
+    assert ramp == pytest.approx([ramp[0] * (3 - j) / 3 for j in range(3)])
+
+
+def test_successive_halving_protects_the_start_until_the_last_cut_only_when_asked():
+    cuts = ((0.1, 2), (0.5, 1))
+    # from far too low a start, the two higher forks win the first cut; protected, the start stays
+    _, _, _, free = _halving_calls(1e-3, mults=(1.0, 10.0, 100.0), cuts=cuts)
+    _, _, _, kept = _halving_calls(1e-3, mults=(1.0, 10.0, 100.0), cuts=cuts, protect=True)
+    assert {f for f, _ in free[18:60]} == {10.0, 100.0}
+    assert 1.0 in {f for f, _ in kept[18:60]}
+
+
+def test_the_probe_ceiling_picks_the_lowest_probe_loss_per_seed():
+    from benchmarks.lr.ceiling import pick
+
+    grids, store = {}, {}
+    for lr, probes, vals in ((0.1, (0.5, 0.2), (0.6, 0.3)), (1.0, (0.3, None), (0.4, None)),
+                             (10.0, (0.4, 0.9), (0.2, 0.8))):
+        for seed in SEEDS:
+            key = Run("t", "plain", lr, seed).key
+            grids[key] = {"lr": lr, "val": vals[seed], "steps": None}
+            store[key] = {"probe": probes[seed], "val": vals[seed]}
+    # seed 0: the probe prefers 1.0 though validation prefers 10.0; seed 1: 1.0 diverged, 0.1 wins
+    assert pick("t", 0, grids, store) == (1.0, 0.4)
+    assert pick("t", 1, grids, store) == (0.1, 0.3)
+
+
 def test_the_diagnostic_finds_where_a_reading_crosses_and_where_a_parabola_bottoms():
     from benchmarks.lr.diagnose import FACTORS, RHOS, _crossing, _log_rho_star
 

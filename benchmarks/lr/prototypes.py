@@ -159,6 +159,76 @@ def forks(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched:
     return state[0], factor
 
 
+def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+            batches: Sequence[Any], *,
+            mults: Sequence[float] = tuple(10 ** (k / 2) for k in range(-2, 3)),
+            cuts: Sequence[tuple[float, int]] = ((0.10, 3), (0.25, 2), (0.50, 1)),
+            protect: bool = False, cool: float = 0.0) -> tuple[torch.nn.Module, float]:
+    """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
+    peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
+    keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
+    the probe and the best ``keep`` go on (ties: the nearest to the start); the last one left is
+    the run. No reading along a line in weight space, no shortened run: the comparison that placed
+    the lr in ``benchmarks.lr.diagnose``, paid for in steps (``sum`` over forks of their length).
+    With ``protect`` the start's own fork survives every cut but the last, where it loses only to
+    a fork that scores better. With ``cool`` each fork is scored instead at a copy of it annealed
+    over the next ``cool`` of the run (its lr factor taken linearly to 0; the copy is dropped): the
+    fork as it would end if the run ended there."""
+    total = len(batches)
+    plan = {max(1, round(share * total)): keep for share, keep in cuts}
+    lam = min(1.0, 40 / total)
+    forks = [copy.deepcopy((model, opt, sched)) if m != 1.0 else (model, opt, sched) for m in mults]
+    factors = list(mults)
+    emas = [[p.detach().clone() for p in f[0].parameters()] for f in forks]
+    alive = [True] * len(forks)
+    model.train()
+    for t, b in enumerate(batches, 1):
+        for i, f in enumerate(forks):
+            if alive[i]:
+                alive[i] = _step(task, f, b, factors[i])
+                with torch.no_grad():
+                    torch._foreach_lerp_(emas[i], list(f[0].parameters()), lam)
+        keep = plan.get(t)
+        if keep is not None and keep < len(forks):
+            if cool > 0:
+                k = max(1, round(cool * total))
+                nxt = [batches[(t + j) % total] for j in range(k)]
+                scores = [_cooled(task, f, m, nxt) if ok else math.inf
+                          for f, m, ok in zip(forks, factors, alive)]
+            else:
+                scores = [_scored(task, f[0], e) if ok else math.inf for f, e, ok in zip(forks, emas, alive)]
+            order = sorted(range(len(forks)), key=lambda i: (scores[i], abs(math.log(factors[i]))))[:keep]
+            own = [i for i, m in enumerate(factors) if m == 1.0]
+            if protect and keep > 1 and own and own[0] not in order:
+                order = [*order[:keep - 1], own[0]]
+            forks, factors = [forks[i] for i in order], [factors[i] for i in order]
+            emas, alive = [emas[i] for i in order], [alive[i] for i in order]
+    return forks[0][0], factors[0]
+
+
+def _cooled(task: Task, state: State, factor: float, batches: Sequence[Any]) -> float:
+    """The probe loss of a copy of ``state`` trained on ``batches`` with its lr factor falling
+    linearly from ``factor`` to 0 (the copy's last weights, in eval mode)."""
+    copy_ = copy.deepcopy(state)
+    k = len(batches)
+    ok = True
+    for j, b in enumerate(batches):
+        ok = ok and _step(task, copy_, b, factor * (k - j) / (k + 1))
+    if not ok:
+        return math.inf
+    return _scored(task, copy_[0], [p.detach() for p in copy_[0].parameters()])
+
+
+def _scored(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> float:
+    """:func:`probe_at` in eval mode (no dropout; BatchNorm reads its running statistics and does not
+    update them), then back to training."""
+    model.eval()
+    try:
+        return probe_at(task, model, weights)
+    finally:
+        model.train()
+
+
 # A loop: f(task, model, optimizer, scheduler, batches) -> (final model, end factor).
 LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "race": race,
@@ -166,4 +236,8 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "forks": forks,
     "forks-long": lambda *a: forks(*a, rounds=((0.0, 0.3, (10 ** -0.5, 1.0, 10 ** 0.5)),
                                                (0.3, 0.2, (1 / 1.8, 1.0, 1.8)))),
+    "halving": halving,
+    "halving-protect": lambda *a: halving(*a, protect=True),
+    "halving-cool": lambda *a: halving(*a, cool=0.05),
+    "halving-end": lambda *a: halving(*a, cuts=((0.10, 3), (0.25, 2), (1.0, 1)), protect=True),
 }

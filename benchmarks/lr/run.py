@@ -116,9 +116,20 @@ def plain_train(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, 
     return model
 
 
+@torch.no_grad()
+def _probe(task: Task, model: torch.nn.Module) -> float | None:
+    """The mean loss of ``model`` over the task's probe batches, in eval mode as validation is."""
+    was = model.training
+    model.eval()
+    probe = task.probe()
+    loss = sum(float(task.loss(model, b)) for b in probe) / len(probe)
+    model.train(was)
+    return loss if math.isfinite(loss) else None
+
+
 def execute(run: Run) -> dict[str, Any]:
-    """Train once; ``{"val", "lost", "seconds", "end_lr", "history"}`` (val is NaN when the run
-    diverged)."""
+    """Train once; ``{"val", "probe", "lost", "seconds", "end_lr", "history"}`` (val is NaN when
+    the run diverged; probe, the final weights' loss on the probe split, is None then)."""
     torch.set_num_threads(1)
     task = _with_steps(get_task(run.task), run.steps)
     model = task.model(run.seed)
@@ -153,6 +164,7 @@ def execute(run: Run) -> dict[str, Any]:
     val = task.evaluate(final) if final is not None else math.nan
     if not math.isfinite(val):
         val = math.nan
+    out["probe"] = _probe(task, final) if final is not None and not math.isnan(val) else None
     out.update(val=val, seconds=seconds,
                lost=not math.isfinite(val) or val >= 0.98 * task.constant_loss())
     return out

@@ -1,0 +1,103 @@
+"""What the probe can tell: every grid run scored on the probe split at its end.
+
+    python -m benchmarks.lr.ceiling [--tasks ...] [--jobs 2]
+
+A search reads the probe split (held-out batches carved from the training side); the suite judges
+it on the validation split. This reruns every point of each task's grid (both seeds, plain
+training, the same batches as ``python -m benchmarks.lr grid``), keeps the final weights' probe
+loss beside the validation loss (and checks the latter against the stored grid), and asks which
+peak lr the probe would choose among the complete runs of one seed: the *probe's pick*. That is
+the ceiling of any search that learns from the probe, a selection made with the whole grid's
+compute and the end of every run in hand. Where the probe's pick is not the grid's best, no
+reading of the probe, early or late, cheap or not, points to the grid's best except by chance.
+
+The table's criteria are the suite's bar read on the probe's pick (a selection does not depend on
+the start, so it recovers from 10x below and above alike): its validation loss over plain
+training's at the grid's best (mean of the 2 seeds, each seed's own pick), and its lr over the
+grid's best. Results go to ``runs/lr/ceiling.json``; held-out tasks are included (a property of
+the task and its split, read by no design) and reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+from typing import Any
+
+from benchmarks.lr.__main__ import GRIDS, RUNS, SEEDS, _load, _run_all, best_of_grid, grid_lrs
+from benchmarks.lr.run import Run
+from benchmarks.lr.tasks import HELD_OUT, TASKS
+
+__all__ = ["main", "pick"]
+
+STORE = RUNS / "ceiling.json"
+
+
+def pick(task: str, seed: int, grids: dict[str, Any], store: dict[str, Any]) -> tuple[float, float]:
+    """The probe's pick for one seed: ``(lr, its validation loss)``; runs whose probe loss is not
+    finite are never picked."""
+    runs = {lr: store[Run(task, "plain", lr, seed).key] for lr in grid_lrs(task, grids)}
+    lr = min((r["probe"], lr) for lr, r in runs.items() if r.get("probe") is not None)[1]
+    val = runs[lr]["val"]
+    return lr, math.nan if val is None else val
+
+
+def _rows(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    for task in tasks:
+        i, lrs, means = best_of_grid(task, grids)
+        picks = [pick(task, s, grids, store) for s in SEEDS]
+        val = statistics.fmean(v for _, v in picks)
+        ratio = math.exp(statistics.fmean(math.log(lr / lrs[i]) for lr, _ in picks))
+        rows.append({"task": task, "held_out": task in HELD_OUT, "best": lrs[i], "oracle": means[i],
+                     "picks": [lr / lrs[i] for lr, _ in picks], "val": val, "vs_best": val / means[i],
+                     "lr_ratio": ratio})
+    return rows
+
+
+def _markdown(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for held, title in ((False, "Design tasks"), (True, "Held-out tasks")):
+        part = [r for r in rows if r["held_out"] == held]
+        if not part:
+            continue
+        out += [f"#### {title}", "",
+                "| task | grid's best lr | probe's pick / best (seed 0, 1) | val at the pick | "
+                "pick / grid's best (val) |", "| --- | ---: | --- | ---: | ---: |"]
+        for r in part:
+            seeds = ", ".join(f"{x:.3g}" for x in r["picks"])
+            out.append(f"| {r['task']} | {r['best']:.3g} | {seeds} | {r['val']:.4f} | {r['vs_best']:.3f} |")
+        n = len(part)
+        harm = sum(r["vs_best"] <= 1.02 for r in part)
+        rec = sum(r["vs_best"] <= 1.05 for r in part)
+        lr3 = sum(1 / 3 <= x <= 3 for r in part for x in r["picks"])
+        out += ["", f"The suite's bar read on the probe's pick ({title.lower()}): within 2% of the grid's "
+                f"best on {harm} of {n} tasks (the no-harm bar: 90%), within 5% on {rec} of {n} (the "
+                f"recovery bar: 75% of cells), the lr within 3x of the grid's best in {lr3} of {2 * n} "
+                f"runs (bar: 80%).", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lr.ceiling")
+    p.add_argument("--tasks", nargs="*", default=list(TASKS))
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    a = p.parse_args(argv)
+    grids = _load(GRIDS)
+    store = _load(STORE)
+    runs = [Run(t, "plain", lr, s) for t in a.tasks for lr in grid_lrs(t, grids) for s in SEEDS]
+    _run_all(runs, store, STORE, a.jobs)
+    for r in runs:  # the rerun is the grid's run: same batches, same result
+        new, old = store[r.key]["val"], grids[r.key]["val"]
+        same = (new is None and old is None) or (
+            new is not None and old is not None and math.isclose(new, old, rel_tol=1e-5))
+        if not same:
+            raise SystemExit(f"{r.key}: validation loss {new} differs from the stored grid's {old}")
+    print(_markdown(_rows(a.tasks, grids, store)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
