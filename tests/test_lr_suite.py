@@ -156,6 +156,16 @@ def test_forks_that_share_the_steps_keep_the_run_on_its_clock_and_step_count():
     assert task.evaluate(final) < task.evaluate(task.model(0))
 
 
+def test_a_run_with_dropout_repeats_whatever_ran_before_it_and_leaves_the_global_rng_alone():
+    run = Run("cancer_dropout", "plain", 3e-4, 0, steps=12)
+    first = execute(run)
+    torch.rand(100)  # another run in the same process draws from the global RNG
+    state = torch.random.get_rng_state()
+    second = execute(run)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert first["val"] == second["val"] and first["probe"] == second["probe"]
+
+
 def _halving_calls(lr, **kw):
     from benchmarks.lr import prototypes
 

@@ -63,6 +63,12 @@ def run(args: tuple[str, str, float, float, int]) -> tuple[str, dict[str, Any]]:
     """One run: ``(method, task, lr, knob value, seed)`` -> (key, {"val", "lr", "knob"})."""
     method, name, lr, value, seed = args
     torch.set_num_threads(1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(20_000 + seed)  # dropout's draws: the same whichever runs the process did before
+        return _run(method, name, lr, value, seed)
+
+
+def _run(method: str, name: str, lr: float, value: float, seed: int) -> tuple[str, dict[str, Any]]:
     task = get_task(name)
     knob = PAIRS[name][0]
     model = task.model(seed)

@@ -129,8 +129,18 @@ def _probe(task: Task, model: torch.nn.Module) -> float | None:
 
 def execute(run: Run) -> dict[str, Any]:
     """Train once; ``{"val", "probe", "lost", "seconds", "end_lr", "history"}`` (val is NaN when
-    the run diverged; probe, the final weights' loss on the probe split, is None then)."""
+    the run diverged; probe, the final weights' loss on the probe split, is None then).
+
+    The global RNG, which dropout draws from, is seeded from the run's seed (and put back after),
+    so a run's result does not depend on the runs its process did before, and a method and plain
+    training at the same lr start from the same dropout draws."""
     torch.set_num_threads(1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(20_000 + run.seed)
+        return _execute(run)
+
+
+def _execute(run: Run) -> dict[str, Any]:
     task = _with_steps(get_task(run.task), run.steps)
     model = task.model(run.seed)
     opt = task.optimizer(model, run.lr)
