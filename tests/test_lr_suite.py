@@ -87,9 +87,9 @@ def test_every_task_trains_plainly_and_under_autolr(name):
     assert isinstance(hpx["lost"], bool)
 
 
-def _row(start, vs_plain, vs_oracle, end, lost=False, cost=1.05):
+def _row(start, vs_plain, vs_oracle, end, lost=False, cost=1.05, pick=None):
     return {"start": start, "vs_plain": vs_plain, "vs_oracle": vs_oracle, "end_vs_oracle": end,
-            "lost": lost, "cost": cost}
+            "end_vs_pick": end if pick is None else pick, "lost": lost, "cost": cost}
 
 
 def test_verdict_reads_the_criteria_off_the_rows():
@@ -102,8 +102,27 @@ def test_verdict_reads_the_criteria_off_the_rows():
     assert v["recover_105"] == pytest.approx(2 / 3)
     assert v["recover_vs_plain"] is False  # 1.03x plain from 10x off
     assert v["fixed_point_3x"] == pytest.approx(4 / 6)
+    assert v["pick_3x"] == pytest.approx(4 / 6)
     assert v["lost"] == 1 and v["cost_max"] == pytest.approx(1.3)
     assert SEEDS == (0, 1)
+    # against the probe's pick: its own column; unknown (no probe losses) for any row, unknown for all
+    rows[0] = _row("1x", 1.01, 1.01, 1.0, pick=5.0)
+    assert verdict(rows)["pick_3x"] == pytest.approx(3 / 6)
+    rows[1] = _row("1x", 1.04, 1.04, 2.0, pick=math.nan)
+    assert math.isnan(verdict(rows)["pick_3x"])
+
+
+def test_the_probes_pick_is_each_seeds_lowest_probe_loss_and_unknown_while_a_run_lacks_one():
+    from benchmarks.lr.__main__ import probe_picks
+
+    grids = {}
+    for lr, probes in ((0.1, (0.5, 0.2)), (1.0, (0.3, None)), (10.0, (0.4, 0.9))):
+        for seed in SEEDS:
+            grids[Run("t", "plain", lr, seed).key] = {"lr": lr, "val": 1.0, "steps": None,
+                                                      "probe": probes[seed]}
+    assert probe_picks("t", grids) == [1.0, 0.1]  # seed 1's run at 1.0 diverged: never picked
+    del grids[Run("t", "plain", 10.0, 1).key]["probe"]
+    assert probe_picks("t", grids) is None
 
 
 def test_the_race_prototype_moves_by_its_multipliers_and_keeps_the_winning_fork():
@@ -208,21 +227,6 @@ def test_successive_halving_protects_the_start_until_the_last_cut_only_when_aske
     _, _, _, kept = _halving_calls(1e-3, mults=(1.0, 10.0, 100.0), cuts=cuts, protect=True)
     assert {f for f, _ in free[18:60]} == {10.0, 100.0}
     assert 1.0 in {f for f, _ in kept[18:60]}
-
-
-def test_the_probe_ceiling_picks_the_lowest_probe_loss_per_seed():
-    from benchmarks.lr.ceiling import pick
-
-    grids, store = {}, {}
-    for lr, probes, vals in ((0.1, (0.5, 0.2), (0.6, 0.3)), (1.0, (0.3, None), (0.4, None)),
-                             (10.0, (0.4, 0.9), (0.2, 0.8))):
-        for seed in SEEDS:
-            key = Run("t", "plain", lr, seed).key
-            grids[key] = {"lr": lr, "val": vals[seed], "steps": None}
-            store[key] = {"probe": probes[seed], "val": vals[seed]}
-    # seed 0: the probe prefers 1.0 though validation prefers 10.0; seed 1: 1.0 diverged, 0.1 wins
-    assert pick("t", 0, grids, store) == (1.0, 0.4)
-    assert pick("t", 1, grids, store) == (0.1, 0.3)
 
 
 def test_the_diagnostic_finds_where_a_reading_crosses_and_where_a_parabola_bottoms():

@@ -146,6 +146,20 @@ def plain_at(task: str, lr: float, grids: dict[str, Any], steps: int | None) -> 
     return [grids[Run(task, "plain", at, s, steps).key] for s in SEEDS]
 
 
+def probe_picks(task: str, grids: dict[str, Any], steps: int | None = None) -> list[float] | None:
+    """Each seed's *probe's pick*: the grid lr whose complete run scores lowest on the probe split
+    (``python -m benchmarks.lr.ceiling``); None where some grid run has no probe loss recorded."""
+    scored = {**_load(RUNS / "ceiling.json"), **{k: r for k, r in grids.items() if "probe" in r}}
+    lrs = grid_lrs(task, grids, steps)
+    picks = []
+    for seed in SEEDS:
+        runs = [(scored.get(Run(task, "plain", lr, seed, steps).key, {}), lr) for lr in lrs]
+        if any("probe" not in r for r, _ in runs):
+            return None
+        picks.append(min((r["probe"], lr) for r, lr in runs if r["probe"] is not None)[1])
+    return picks
+
+
 def table(method: str, tasks: list[str], grids: dict[str, Any], store: dict[str, Any],
           steps: int | None = None) -> list[dict[str, Any]]:
     """One row per task x start, and what the acceptance criteria read from it."""
@@ -155,6 +169,7 @@ def table(method: str, tasks: list[str], grids: dict[str, Any], store: dict[str,
         i, lrs, means = best_of_grid(task, grids, steps)
         oracle_lr, oracle = lrs[i], means[i]
         const = t.constant_loss()
+        picks = probe_picks(task, grids, steps)
         for name, lr in cells(task, grids, steps).items():
             plain_runs = plain_at(task, lr, grids, steps)
             plain = [math.nan if r["val"] is None else r["val"] for r in plain_runs]
@@ -169,6 +184,9 @@ def table(method: str, tasks: list[str], grids: dict[str, Any], store: dict[str,
                 "oracle_lr": oracle_lr, "oracle": oracle, "plain": plain_mean, "hpx": hpx_mean,
                 "vs_plain": hpx_mean / plain_mean if plain_trains else math.nan,
                 "vs_oracle": hpx_mean / oracle, "end_lr": end, "end_vs_oracle": end / oracle_lr,
+                # each seed's end over that seed's probe's pick, geometric mean over the seeds
+                "end_vs_pick": math.nan if picks is None else math.exp(statistics.fmean(
+                    math.log(r["end_lr"] / p) for r, p in zip(runs, picks))),
                 "lost": any(r["lost"] for r in runs) and plain_trains,
                 "cost": statistics.fmean(r["seconds"] for r in runs)
                 / statistics.fmean(r["seconds"] for r in plain_runs),
@@ -188,9 +206,15 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "recover_105": sum(nan_le(r["vs_oracle"], 1.05) for r in off) / len(off),
         "recover_vs_plain": all(math.isnan(r["vs_plain"]) or r["vs_plain"] <= 1.02 for r in off),
         "fixed_point_3x": sum(1 / 3 <= r["end_vs_oracle"] <= 3 for r in rows) / len(rows),
+        "pick_3x": (math.nan if any(math.isnan(r["end_vs_pick"]) for r in rows)
+                    else sum(1 / 3 <= r["end_vs_pick"] <= 3 for r in rows) / len(rows)),
         "lost": sum(r["lost"] for r in rows),
         "cost_max": max(r["cost"] for r in rows),
     }
+
+
+def _pct(x: float) -> str:
+    return "- (no probe losses: run `python -m benchmarks.lr.ceiling`)" if math.isnan(x) else f"{x:.0%}"
 
 
 def _fmt(x: float, spec: str = ".3f") -> str:
@@ -206,17 +230,19 @@ def markdown(method: str, rows: list[dict[str, Any]]) -> str:
         v = verdict(part)
         out += [f"#### {title}", "",
                 "| task | start | lr | plain | hpx | hpx / plain | hpx / oracle | lr it ends at / best "
-                "| lost | time / plain |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                "| lr it ends at / probe's pick | lost | time / plain |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in part:
             out.append(f"| {r['task']} | {r['start']} | {r['lr']:.3g} | {_fmt(r['plain'], '.4f')} | "
                        f"{_fmt(r['hpx'], '.4f')} | {_fmt(r['vs_plain'])} | {_fmt(r['vs_oracle'])} | "
-                       f"{r['end_vs_oracle']:.3g} | {'yes' if r['lost'] else ''} | {r['cost']:.2f} |")
+                       f"{r['end_vs_oracle']:.3g} | {_fmt(r['end_vs_pick'], '.3g')} | "
+                       f"{'yes' if r['lost'] else ''} | {r['cost']:.2f} |")
         out += ["", f"Criteria ({title.lower()}): hpx / plain <= 1.02 at the best lr on "
                 f"{v['no_harm_102']:.0%} of tasks (bar 90%), <= 1.05 on all: {v['no_harm_105_all']}; "
                 f"from 10x off <= 1.05x the oracle in {v['recover_105']:.0%} of cells (bar 75%), never "
                 f"> 1.02x plain at that start: {v['recover_vs_plain']}; the lr it ends at within 3x of "
-                f"the grid's best in {v['fixed_point_3x']:.0%} of cells (bar 80%); runs lost: {v['lost']}; "
+                f"the grid's best in {v['fixed_point_3x']:.0%} of cells (bar 80%), within 3x of the probe's "
+                f"pick in {_pct(v['pick_3x'])}; runs lost: {v['lost']}; "
                 f"time / plain at most {v['cost_max']:.2f} (bar 1.10).", ""]
     return "\n".join(out)
 
@@ -264,7 +290,9 @@ redone with the seed in place (no task's best lr moved).
 A method is run from 0.1x, 1x and 10x the grid's best peak lr, 2 seeds each, on the same batches as
 plain training at that lr. Columns: the validation loss (mean of 2 seeds) of plain training and of
 the method; their ratio; the method's over the grid's best ("oracle"); the peak lr the run ends at
-(the search's factor times the start) over the grid's best (geometric mean of the seeds); "lost":
+(the search's factor times the start) over the grid's best (geometric mean of the seeds), and over
+the probe's pick (each seed's end over that seed's pick: the lr whose complete run scores lowest on
+the probe, the best a search that follows the probe can place it; see the next section); "lost":
 a seed ends within 2% of the constant predictor's loss (or diverges) where plain training at
 that start trains; the training loop's wall time over plain training's (each measured in its own
 run, two runs sharing the machine: a rough figure).

@@ -27,29 +27,33 @@ import os
 import statistics
 from typing import Any
 
-from benchmarks.lr.__main__ import GRIDS, ROOT, RUNS, SEEDS, _load, _run_all, best_of_grid, grid_lrs
+from benchmarks.lr.__main__ import (
+    GRIDS,
+    ROOT,
+    RUNS,
+    SEEDS,
+    _load,
+    _run_all,
+    _val,
+    best_of_grid,
+    grid_lrs,
+    probe_picks,
+)
 from benchmarks.lr.run import Run
 from benchmarks.lr.tasks import HELD_OUT, TASKS
 
-__all__ = ["main", "pick"]
+__all__ = ["main"]
 
 STORE = RUNS / "ceiling.json"
 
 
-def pick(task: str, seed: int, grids: dict[str, Any], store: dict[str, Any]) -> tuple[float, float]:
-    """The probe's pick for one seed: ``(lr, its validation loss)``; runs whose probe loss is not
-    finite are never picked."""
-    runs = {lr: store[Run(task, "plain", lr, seed).key] for lr in grid_lrs(task, grids)}
-    lr = min((r["probe"], lr) for lr, r in runs.items() if r.get("probe") is not None)[1]
-    val = runs[lr]["val"]
-    return lr, math.nan if val is None else val
-
-
-def _rows(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> list[dict[str, Any]]:
+def _rows(tasks: list[str], grids: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for task in tasks:
         i, lrs, means = best_of_grid(task, grids)
-        picks = [pick(task, s, grids, store) for s in SEEDS]
+        lrs_picked = probe_picks(task, grids)
+        assert lrs_picked is not None  # main() scored every grid run
+        picks = [(lr, _val(grids, Run(task, "plain", lr, s))) for lr, s in zip(lrs_picked, SEEDS)]
         val = statistics.fmean(v for _, v in picks)
         ratio = math.exp(statistics.fmean(math.log(lr / lrs[i]) for lr, _ in picks))
         rows.append({"task": task, "held_out": task in HELD_OUT, "best": lrs[i], "oracle": means[i],
@@ -103,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if worst > 1e-3:
         raise SystemExit(f"a rerun's validation loss is {worst:.2g} (relative) off the stored grid's")
     print(f"Reruns agree with the stored grid to {worst:.1g} (relative validation loss).\n")
-    md = _markdown(_rows(a.tasks, grids, store))
+    md = _markdown(_rows(a.tasks, grids))
     print(md)
     if a.tasks == list(TASKS):
         _write_docs(f"Reruns agree with the stored grid to {worst:.1g} (relative validation loss).\n\n{md}")
