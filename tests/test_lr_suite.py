@@ -229,6 +229,20 @@ def test_successive_halving_protects_the_start_until_the_last_cut_only_when_aske
     assert 1.0 in {f for f, _ in kept[18:60]}
 
 
+def test_the_ceiling_table_counts_picks_on_the_best_by_the_probes_size():
+    from benchmarks.lr.ceiling import _markdown
+
+    def row(task, held, probe, picks, vs_best):
+        return {"task": task, "held_out": held, "best": 1.0, "picks": picks, "val": 0.1,
+                "vs_best": vs_best, "probe": probe}
+
+    md = _markdown([row("a", False, 30, [1.0, 1.0], 1.0), row("b", False, 200, [3.16, 1.0], 1.1),
+                    row("c", True, 4096, [1.0, 1.0], 1.0), row("d", True, 256, [0.316, 0.316], 1.2)])
+    assert "within 2% of the grid's best on 1 of 2 tasks" in md  # a design task, b not
+    assert "at most 200 examples: the pick is the grid's best on both seeds on 1 of 2" in md
+    assert "more than 200: the pick is the grid's best on both seeds on 1 of 2" in md
+
+
 def test_the_diagnostic_finds_where_a_reading_crosses_and_where_a_parabola_bottoms():
     from benchmarks.lr.diagnose import FACTORS, RHOS, _crossing, _log_rho_star
 

@@ -40,7 +40,7 @@ from benchmarks.lr.__main__ import (
     probe_picks,
 )
 from benchmarks.lr.run import Run
-from benchmarks.lr.tasks import HELD_OUT, TASKS
+from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
 __all__ = ["main"]
 
@@ -56,9 +56,10 @@ def _rows(tasks: list[str], grids: dict[str, Any]) -> list[dict[str, Any]]:
         picks = [(lr, _val(grids, Run(task, "plain", lr, s))) for lr, s in zip(lrs_picked, SEEDS)]
         val = statistics.fmean(v for _, v in picks)
         ratio = math.exp(statistics.fmean(math.log(lr / lrs[i]) for lr, _ in picks))
+        probe = sum(y.numel() for _, y in get_task(task).probe())  # examples (tokens for an LM)
         rows.append({"task": task, "held_out": task in HELD_OUT, "best": lrs[i], "oracle": means[i],
                      "picks": [lr / lrs[i] for lr, _ in picks], "val": val, "vs_best": val / means[i],
-                     "lr_ratio": ratio})
+                     "lr_ratio": ratio, "probe": probe})
     return rows
 
 
@@ -69,11 +70,12 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
         if not part:
             continue
         out += [f"#### {title}", "",
-                "| task | grid's best lr | probe's pick / best (seed 0, 1) | val at the pick | "
-                "pick / grid's best (val) |", "| --- | ---: | --- | ---: | ---: |"]
+                "| task | probe size | grid's best lr | probe's pick / best (seed 0, 1) | val at the pick | "
+                "pick / grid's best (val) |", "| --- | ---: | ---: | --- | ---: | ---: |"]
         for r in part:
             seeds = ", ".join(f"{x:.3g}" for x in r["picks"])
-            out.append(f"| {r['task']} | {r['best']:.3g} | {seeds} | {r['val']:.4f} | {r['vs_best']:.3f} |")
+            out.append(f"| {r['task']} | {r['probe']} | {r['best']:.3g} | {seeds} | {r['val']:.4f} | "
+                       f"{r['vs_best']:.3f} |")
         n = len(part)
         harm = sum(r["vs_best"] <= 1.02 for r in part)
         rec = sum(r["vs_best"] <= 1.05 for r in part)
@@ -82,7 +84,15 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
                 f"best on {harm} of {n} tasks (the no-harm bar: 90%), within 5% on {rec} of {n} (the "
                 f"recovery bar: 75% of cells), the lr within 3x of the grid's best in {lr3} of {2 * n} "
                 f"runs (bar: 80%).", ""]
+    for small, what in ((True, f"at most {_SMALL} examples"), (False, f"more than {_SMALL}")):
+        part = [r for r in rows if (r["probe"] <= _SMALL) == small]
+        hits = sum(all(x == 1.0 for x in r["picks"]) for r in part)
+        out.append(f"Probes of {what}: the pick is the grid's best on both seeds on {hits} of {len(part)} "
+                   f"tasks (both sets).")
     return "\n".join(out)
+
+
+_SMALL = 200  # examples in the probe split (tokens for a language model)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,10 +133,13 @@ A search reads the probe split, batches carved from the training side; the suite
 validation split. The *probe's pick* is the peak lr whose complete run scores lowest on the probe,
 for one seed: the choice of a search that had the whole grid's compute and the end of every run in
 hand. A search that moves the lr toward what the probe prefers cannot place it better than this,
-except where a bias of its own happens to cancel the probe's error. Columns: the grid's best peak lr
+except where a bias of its own happens to cancel the probe's error. Columns: the probe's size
+(examples, or tokens for a language model); the grid's best peak lr
 (validation, mean of 2 seeds); each seed's pick over it; the validation loss at the picks (mean of
 the seeds); that over the grid's best. The last line of each table reads the suite's bar on the
-pick (it does not depend on the start: it recovers from 10x below and above alike).
+pick (it does not depend on the start: it recovers from 10x below and above alike). The last two
+lines split the tasks by the probe's size, at 200 examples, where the tables break (a split chosen
+after seeing them).
 
 """
 
