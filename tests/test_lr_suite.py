@@ -112,6 +112,24 @@ def test_verdict_reads_the_criteria_off_the_rows():
     assert math.isnan(verdict(rows)["pick_3x"])
 
 
+def test_the_table_reads_the_bar_again_on_the_tasks_whose_probe_resolves_the_grid():
+    from benchmarks.lr.__main__ import markdown
+
+    def full(task, resolved, start, vs_plain, vs_oracle):
+        return {**_row(start, vs_plain, vs_oracle, 1.0), "task": task, "resolved": resolved,
+                "held_out": False, "lr": 1.0, "plain": 1.0, "hpx": 1.0}
+
+    rows = [full(t, t == "a", st, 1.0 if t == "a" else 1.5, 1.0 if t == "a" else 1.5)
+            for t in ("a", "b") for st in ("0.1x", "1x", "10x")]
+    md = markdown("m", rows)
+    assert "at the best lr on 50% of tasks" in md  # both tasks
+    assert "On the 1 of these tasks whose probe resolves the grid" in md
+    assert "grid's best on both seeds: a)" in md
+    assert "no harm on 100%, recovered in 100% of cells" in md
+    # no task resolved, no such line
+    assert "resolves" not in markdown("m", [dict(r, resolved=False) for r in rows])
+
+
 def test_the_probes_pick_is_each_seeds_lowest_probe_loss_and_unknown_while_a_run_lacks_one():
     from benchmarks.lr.__main__ import probe_picks
 
