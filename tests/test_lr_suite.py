@@ -238,6 +238,29 @@ def test_successive_halving_runs_whole_forks_and_cuts_them_on_time():
     assert ramp == pytest.approx([ramp[0] * (3 - j) / 3 for j in range(3)])
 
 
+def test_the_starts_fork_sees_plain_trainings_dropout_draws():
+    from benchmarks.lr.prototypes import halving
+    from benchmarks.lr.run import plain_train
+
+    task = replace(TASKS["cancer_dropout"], steps=40)
+    gen = torch.Generator().manual_seed(1)
+    batches = [task.sample(gen) for _ in range(task.steps)]
+
+    def fresh():
+        model = task.model(0)
+        opt = task.optimizer(model, 3e-4)
+        return model, opt, task.scheduler(opt)
+
+    torch.manual_seed(5)
+    plain = task.evaluate(plain_train(task, *fresh(), batches))
+    after_plain = torch.random.get_rng_state()
+    torch.manual_seed(5)
+    # a fork at 1e-4 times the lr draws in between, and loses
+    final, factor = halving(task, *fresh(), batches, mults=(1.0, 1e-4), cuts=((0.5, 1),))
+    assert factor == 1.0 and task.evaluate(final) == plain
+    assert torch.equal(torch.random.get_rng_state(), after_plain)
+
+
 def test_successive_halving_protects_the_start_until_the_last_cut_only_when_asked():
     cuts = ((0.1, 2), (0.5, 1))
     # from far too low a start, the two higher forks win the first cut; protected, the start stays

@@ -181,11 +181,16 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     factors = list(mults)
     emas = [[p.detach().clone() for p in f[0].parameters()] for f in forks]
     alive = [True] * len(forks)
+    # each fork draws its dropout from its own copy of the global RNG as it was at the start: the
+    # forks see the same draws (common random numbers), and the start's fork those of plain training
+    rngs = [torch.random.get_rng_state()] * len(forks)
     model.train()
     for t, b in enumerate(batches, 1):
         for i, f in enumerate(forks):
             if alive[i]:
+                torch.random.set_rng_state(rngs[i])
                 alive[i] = _step(task, f, b, factors[i])
+                rngs[i] = torch.random.get_rng_state()
                 with torch.no_grad():
                     torch._foreach_lerp_(emas[i], list(f[0].parameters()), lam)
         keep = plan.get(t)
@@ -202,7 +207,8 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             if protect and keep > 1 and own and own[0] not in order:
                 order = [*order[:keep - 1], own[0]]
             forks, factors = [forks[i] for i in order], [factors[i] for i in order]
-            emas, alive = [emas[i] for i in order], [alive[i] for i in order]
+            emas, alive, rngs = [emas[i] for i in order], [alive[i] for i in order], [rngs[i] for i in order]
+    torch.random.set_rng_state(rngs[0])  # the global RNG ends where the survivor's run left it
     return forks[0][0], factors[0]
 
 
