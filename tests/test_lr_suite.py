@@ -284,6 +284,39 @@ def test_the_ceiling_table_counts_picks_on_the_best_by_the_probes_size():
     assert "more than 200: the pick is the grid's best on both seeds on 1 of 2" in md
 
 
+def test_a_probe_is_cut_into_disjoint_chunks_and_each_chunk_scored():
+    from benchmarks.lr.run import _chunk_losses
+
+    task = TASKS["digits_mlp"]  # a probe of two batches of 100 rows
+    model = task.model(0)
+    losses = _chunk_losses(task, model, 30)
+    assert len(losses) == 6  # 200 rows in chunks of 30; the last 20 rows are left out
+    x = torch.cat([b[0] for b in task.probe()])
+    y = torch.cat([b[1] for b in task.probe()])
+    model.eval()
+    with torch.no_grad():
+        assert losses[2] == pytest.approx(float(task.loss(model, (x[60:90], y[60:90]))))
+    # a language model's probe row is a window of tokens: a chunk of ~256 tokens is whole rows
+    lm = TASKS["char_gru"]
+    per_row = lm.probe()[0][1][0].numel()
+    rows = sum(len(y) for _, y in lm.probe())
+    assert per_row > 1 and len(_chunk_losses(lm, lm.model(0), 256)) == rows // round(256 / per_row)
+
+
+def test_the_chunk_table_counts_each_chunks_pick_against_the_grids_best():
+    from benchmarks.lr.ceiling import _chunk_table
+
+    grids, store = {}, {}
+    # the grid's best (validation) is lr 1.0; chunk 0 agrees on both seeds, chunk 1 prefers 0.1
+    for lr, val, chunks in ((0.1, 0.5, [0.4, 0.1]), (1.0, 0.2, [0.3, 0.2]), (10.0, 0.9, [0.9, math.inf])):
+        for seed in SEEDS:
+            key = Run("digits_mlp", "plain", lr, seed).key
+            grids[key] = {"lr": lr, "val": val, "steps": None}
+            store[key] = {"chunks": {"30": chunks}}
+    md = _chunk_table(["digits_mlp"], grids, store, [30])
+    assert "| digits_mlp | 200 | 2 of 4 |" in md and "| all | | 50% (2 of 4) |" in md
+
+
 def test_the_diagnostic_finds_where_a_reading_crosses_and_where_a_parabola_bottoms():
     from benchmarks.lr.diagnose import FACTORS, RHOS, _crossing, _log_rho_star
 

@@ -19,6 +19,7 @@ import math
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
@@ -50,13 +51,14 @@ def _refuse(x: Any) -> Any:
     raise TypeError(f"cannot save {x!r}")
 
 
-def _run_all(runs: list[Run], store: dict[str, Any], path: Path, jobs: int) -> None:
+def _run_all(runs: list[Run], store: dict[str, Any], path: Path, jobs: int,
+             fn: Callable[[Run], dict[str, Any]] = execute) -> None:
     todo = [r for r in runs if r.key not in store]
     if not todo:
         return
     print(f"{len(todo)} runs on {jobs} processes", file=sys.stderr)
     with ProcessPoolExecutor(jobs) as pool:
-        futs = {pool.submit(execute, r): r for r in todo}
+        futs = {pool.submit(fn, r): r for r in todo}
         for i, f in enumerate(as_completed(futs), 1):
             r = futs[f]
             res = f.result()

@@ -1,6 +1,7 @@
 """What the probe can tell: every grid run scored on the probe split at its end.
 
     python -m benchmarks.lr.ceiling [--tasks ...] [--jobs 2]
+    python -m benchmarks.lr.ceiling --chunks 30 100 200   # the same, the probe cut smaller
 
 A search reads the probe split (held-out batches carved from the training side); the suite judges
 it on the validation split. This reruns every point of each task's grid (both seeds, plain
@@ -17,11 +18,17 @@ the start, so it recovers from 10x below and above alike): its validation loss o
 training's at the grid's best (mean of the 2 seeds, each seed's own pick), and its lr over the
 grid's best. Results go to ``runs/lr/ceiling.json``; held-out tasks are included (a property of
 the task and its split, read by no design) and reported apart.
+
+With ``--chunks``, the tasks whose probe is larger than the largest size given are rerun and each
+run is scored on every disjoint chunk of its probe of about each size: how often the pick of a
+probe cut that small is still the grid's best. It tests whether the probe's size, rather than the
+task's family, is what decides the pick.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import statistics
@@ -39,12 +46,13 @@ from benchmarks.lr.__main__ import (
     grid_lrs,
     probe_picks,
 )
-from benchmarks.lr.run import Run
+from benchmarks.lr.run import Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
 __all__ = ["main"]
 
 STORE = RUNS / "ceiling.json"
+CHUNKS = RUNS / "ceiling-chunks.json"
 
 
 def _rows(tasks: list[str], grids: dict[str, Any]) -> list[dict[str, Any]]:
@@ -95,10 +103,39 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
 _SMALL = 200  # examples in the probe split (tokens for a language model)
 
 
+def _chunk_table(tasks: list[str], grids: dict[str, Any], store: dict[str, Any],
+                 sizes: list[int]) -> str:
+    """How often a probe cut to ``size`` examples picks the grid's best: for each disjoint chunk of
+    that size and each seed, the lr whose finished run scores lowest on the chunk."""
+    out = ["| task | probe size | " + " | ".join(f"chunks of ~{k}: picks on the grid's best" for k in sizes)
+           + " |", "| --- | ---: | " + " | ".join("---:" for _ in sizes) + " |"]
+    totals = {k: [0, 0] for k in sizes}
+    for task in tasks:
+        i, lrs, _ = best_of_grid(task, grids)
+        cells = []
+        for k in sizes:
+            hit = n = 0
+            for seed in SEEDS:
+                runs = [(store[Run(task, "plain", lr, seed).key]["chunks"][str(k)], lr) for lr in lrs]
+                for c in range(min(len(ch) for ch, _ in runs if ch is not None)):
+                    pick = min((ch[c], lr) for ch, lr in runs if ch is not None and math.isfinite(ch[c]))[1]
+                    hit, n = hit + (pick == lrs[i]), n + 1
+            totals[k][0] += hit
+            totals[k][1] += n
+            cells.append(f"{hit} of {n}")
+        size = sum(y.numel() for _, y in get_task(task).probe())
+        out.append(f"| {task} | {size} | " + " | ".join(cells) + " |")
+    out.append("| all | | " + " | ".join(f"{h / n:.0%} ({h} of {n})" for h, n in totals.values()) + " |")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.ceiling")
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--chunks", nargs="*", type=int, default=[],
+                   help="score each grid run on disjoint chunks of the probe of about this many examples "
+                        "(tasks whose probe is larger than the largest; runs/lr/ceiling-chunks.json)")
     a = p.parse_args(argv)
     grids = _load(GRIDS)
     store = _load(STORE)
@@ -116,18 +153,36 @@ def main(argv: list[str] | None = None) -> int:
             worst = max(worst, abs(new - old) / abs(old))
     if worst > 1e-3:
         raise SystemExit(f"a rerun's validation loss is {worst:.2g} (relative) off the stored grid's")
-    print(f"Reruns agree with the stored grid to {worst:.1g} (relative validation loss).\n")
-    md = _markdown(_rows(a.tasks, grids))
+    md = f"Reruns agree with the stored grid to {worst:.1g} (relative validation loss).\n\n"
+    md += _markdown(_rows(a.tasks, grids))
+    if a.chunks:
+        big = [t for t in a.tasks if sum(y.numel() for _, y in get_task(t).probe()) > max(a.chunks)]
+        chunked = _load(CHUNKS)
+        runs = [Run(t, "plain", lr, s) for t in big for lr in grid_lrs(t, grids) for s in SEEDS]
+        _run_all(runs, chunked, CHUNKS, a.jobs, functools.partial(execute, probe_chunks=tuple(a.chunks)))
+        md += _CHUNKS_INTRO.format(sizes=" ".join(map(str, a.chunks)))
+        md += _chunk_table(big, grids, chunked, a.chunks) + "\n"
     print(md)
     if a.tasks == list(TASKS):
-        _write_docs(f"Reruns agree with the stored grid to {worst:.1g} (relative validation loss).\n\n{md}")
+        _write_docs(md)
     return 0
 
 
+_CHUNKS_INTRO = """
+#### The probe cut smaller (`--chunks {sizes}`)
+
+The tasks whose probe holds more than the largest size, every grid run (both seeds) scored on each
+disjoint chunk of its probe of about that many examples; a cell counts the chunks (over both seeds)
+whose pick is the grid's best.
+
+"""
+
+
 _INTRO = """\
-Produced by `python -m benchmarks.lr.ceiling` (which writes this section; 10-15 minutes on two
-cores), from the suite's grids (`benchmarks/lr/grids.json`): every grid run, both seeds, rerun with
-the same batches and scored on the probe split at its end, in eval mode.
+Produced by `python -m benchmarks.lr.ceiling --chunks 30 100 200` (which writes this section;
+about 25 minutes on two cores), from the suite's grids (`benchmarks/lr/grids.json`): every grid
+run, both seeds, rerun with the same batches and scored on the probe split at its end, in eval
+mode.
 
 A search reads the probe split, batches carved from the training side; the suite judges it on the
 validation split. The *probe's pick* is the peak lr whose complete run scores lowest on the probe,

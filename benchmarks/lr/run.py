@@ -127,9 +127,27 @@ def _probe(task: Task, model: torch.nn.Module) -> float | None:
     return loss if math.isfinite(loss) else None
 
 
-def execute(run: Run) -> dict[str, Any]:
+@torch.no_grad()
+def _chunk_losses(task: Task, model: torch.nn.Module, size: int) -> list[float]:
+    """``model``'s loss (eval mode) on each disjoint run of rows of the probe holding about
+    ``size`` examples (a row of a language model's probe holds one window of tokens)."""
+    x = torch.cat([b[0] for b in task.probe()])
+    y = torch.cat([b[1] for b in task.probe()])
+    per_row = y[0].numel()
+    rows = max(1, round(size / per_row))
+    was = model.training
+    model.eval()
+    losses = [float(task.loss(model, (x[i:i + rows], y[i:i + rows])))
+              for i in range(0, len(y) - rows + 1, rows)]
+    model.train(was)
+    return losses
+
+
+def execute(run: Run, probe_chunks: tuple[int, ...] = ()) -> dict[str, Any]:
     """Train once; ``{"val", "probe", "lost", "seconds", "end_lr", "history"}`` (val is NaN when
-    the run diverged; probe, the final weights' loss on the probe split, is None then).
+    the run diverged; probe, the final weights' loss on the probe split, is None then). For each
+    ``k`` in ``probe_chunks``, ``out["chunks"][str(k)]`` holds the final weights' loss on each
+    disjoint chunk of the probe of about ``k`` examples (tokens for a language model).
 
     The global RNG, which dropout draws from, is seeded from the run's seed (and put back after),
     so a run's result does not depend on the runs its process did before, and a method and plain
@@ -137,10 +155,10 @@ def execute(run: Run) -> dict[str, Any]:
     torch.set_num_threads(1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(20_000 + run.seed)
-        return _execute(run)
+        return _execute(run, probe_chunks)
 
 
-def _execute(run: Run) -> dict[str, Any]:
+def _execute(run: Run, probe_chunks: tuple[int, ...]) -> dict[str, Any]:
     task = _with_steps(get_task(run.task), run.steps)
     model = task.model(run.seed)
     opt = task.optimizer(model, run.lr)
@@ -175,6 +193,9 @@ def _execute(run: Run) -> dict[str, Any]:
     if not math.isfinite(val):
         val = math.nan
     out["probe"] = _probe(task, final) if final is not None and not math.isnan(val) else None
+    if probe_chunks:
+        out["chunks"] = {str(k): _chunk_losses(task, final, k) if out["probe"] is not None else None
+                         for k in probe_chunks}
     out.update(val=val, seconds=seconds,
                lost=not math.isfinite(val) or val >= 0.98 * task.constant_loss())
     return out
