@@ -167,22 +167,7 @@ def test_the_race_prototype_moves_by_its_multipliers_and_keeps_the_winning_fork(
 
 
 def test_forks_that_share_the_steps_keep_the_run_on_its_clock_and_step_count():
-    from benchmarks.lr import prototypes
-
-    task = replace(TASKS["digits_mlp"], steps=60)
-    model = task.model(0)
-    opt = task.optimizer(model, 0.1)
-    sched = task.scheduler(opt)
-    gen = torch.Generator().manual_seed(3)
-    batches = [task.sample(gen) for _ in range(task.steps)]
-    calls = []
-    real = prototypes._step
-    prototypes._step = lambda *a: calls.append((a[3], a[1][2])) or real(*a)
-    try:
-        final, factor = prototypes.forks(task, model, opt, sched, batches,
-                                         rounds=((0.0, 0.5, (0.5, 1.0, 2.0)),))
-    finally:
-        prototypes._step = real
+    task, final, factor, calls = _record_steps("forks", 0.1, rounds=((0.0, 0.5, (0.5, 1.0, 2.0)),))
     factors = [f for f, _ in calls]
     # one optimizer step per batch, never more: the three forks took the first 30 in turn
     assert len(calls) == 60 and factor in (0.5, 1.0, 2.0)
@@ -203,7 +188,9 @@ def test_a_run_with_dropout_repeats_whatever_ran_before_it_and_leaves_the_global
     assert first["val"] == second["val"] and first["probe"] == second["probe"]
 
 
-def _halving_calls(lr, **kw):
+def _record_steps(loop, lr, **kw):
+    """Run a prototype loop (a name in benchmarks.lr.prototypes) on 60 steps of digits_mlp,
+    recording every optimizer step's ``(lr factor, scheduler)``."""
     from benchmarks.lr import prototypes
 
     task = replace(TASKS["digits_mlp"], steps=60)
@@ -215,14 +202,14 @@ def _halving_calls(lr, **kw):
     real = prototypes._step
     prototypes._step = lambda *a: calls.append((a[3], a[1][2])) or real(*a)
     try:
-        final, factor = prototypes.halving(task, model, opt, task.scheduler(opt), batches, **kw)
+        final, factor = getattr(prototypes, loop)(task, model, opt, task.scheduler(opt), batches, **kw)
     finally:
         prototypes._step = real
     return task, final, factor, calls
 
 
 def test_successive_halving_runs_whole_forks_and_cuts_them_on_time():
-    task, final, factor, calls = _halving_calls(0.1)
+    task, final, factor, calls = _record_steps("halving", 0.1)
     # 5 forks to step 6, 3 to step 15, 2 to step 30, then one: 30 + 27 + 30 + 30 optimizer steps
     assert len(calls) == 117
     assert factor in {10 ** (k / 2) for k in range(-2, 3)}
@@ -231,7 +218,7 @@ def test_successive_halving_runs_whole_forks_and_cuts_them_on_time():
     assert calls[-1][1].last_epoch == 60
     assert task.evaluate(final) < task.evaluate(task.model(0))
     # scoring a fork at an annealed copy adds the copies' steps (3 per fork and cut) and moves no fork
-    _, _, _, cooled = _halving_calls(0.1, cool=0.05)
+    _, _, _, cooled = _record_steps("halving", 0.1, cool=0.05)
     assert len(cooled) == 117 + 3 * (5 + 3 + 2)
     # after the first cut's 30 steps, the first copy's lr factor falls linearly toward 0
     ramp = [f for f, _ in cooled[30:33]]
@@ -264,8 +251,8 @@ def test_the_starts_fork_sees_plain_trainings_dropout_draws():
 def test_successive_halving_protects_the_start_until_the_last_cut_only_when_asked():
     cuts = ((0.1, 2), (0.5, 1))
     # from far too low a start, the two higher forks win the first cut; protected, the start stays
-    _, _, _, free = _halving_calls(1e-3, mults=(1.0, 10.0, 100.0), cuts=cuts)
-    _, _, _, kept = _halving_calls(1e-3, mults=(1.0, 10.0, 100.0), cuts=cuts, protect=True)
+    _, _, _, free = _record_steps("halving", 1e-3, mults=(1.0, 10.0, 100.0), cuts=cuts)
+    _, _, _, kept = _record_steps("halving", 1e-3, mults=(1.0, 10.0, 100.0), cuts=cuts, protect=True)
     assert {f for f, _ in free[18:60]} == {10.0, 100.0}
     assert 1.0 in {f for f, _ in kept[18:60]}
 

@@ -323,16 +323,25 @@ def write_docs(method: str, grids: dict[str, Any], table_md: str) -> None:
 
     import torch
 
-    doc = ROOT / "docs" / "benchmarks.md"
-    text = doc.read_text()
     machine = (f"{platform.machine()}, {os.cpu_count()} logical cores; Python {platform.python_version()}, "
                f"torch {torch.__version__}")
     body = _INTRO.format(method=method, machine=machine, grids=grids_markdown(grids), table=table_md)
-    start, end = "<!-- lr-suite -->", "<!-- /lr-suite -->"
-    title = "## The learning-rate suite: a search against plain training and the grid"
-    section = f"{start}\n{title}\n\n{body}{end}"
+    write_section("lr-suite", "The learning-rate suite: a search against plain training and the grid", body)
+
+
+def write_section(marker: str, title: str, body: str, after: str | None = None) -> None:
+    """Put ``## title`` and ``body`` into docs/benchmarks.md between ``<!-- marker -->`` and
+    ``<!-- /marker -->``: in place of the section if it is there, else after the section marked
+    ``after`` (or at the top)."""
+    doc = ROOT / "docs" / "benchmarks.md"
+    text = doc.read_text()
+    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    section = f"{start}\n## {title}\n\n{body}{end}"
     if start in text:
         text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
+    elif after is not None:
+        i = text.index(f"<!-- /{after} -->") + len(f"<!-- /{after} -->")
+        text = f"{text[:i]}\n\n{section}{text[i:]}"
     else:
         head, _, rest = text.partition("\n")
         text = f"{head}\n\n{section}\n{rest}"

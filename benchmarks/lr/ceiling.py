@@ -36,7 +36,6 @@ from typing import Any
 
 from benchmarks.lr.__main__ import (
     GRIDS,
-    ROOT,
     RUNS,
     SEEDS,
     _load,
@@ -45,6 +44,7 @@ from benchmarks.lr.__main__ import (
     best_of_grid,
     grid_lrs,
     probe_picks,
+    write_section,
 )
 from benchmarks.lr.run import Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         md += _chunk_table(big, grids, chunked, a.chunks) + "\n"
     print(md)
     if a.tasks == list(TASKS):
-        _write_docs(md)
+        write_section("lr-ceiling", "What the probe can tell: the grid's runs scored on the probe",
+                      _INTRO + md, after="lr-suite")
     return 0
 
 
@@ -197,23 +198,3 @@ lines split the tasks by the probe's size, at 200 examples, where the tables bre
 after seeing them).
 
 """
-
-
-def _write_docs(body: str) -> None:
-    """Put this section into docs/benchmarks.md, between its markers (after the suite's section)."""
-    doc = ROOT / "docs" / "benchmarks.md"
-    text = doc.read_text()
-    start, end = "<!-- lr-ceiling -->", "<!-- /lr-ceiling -->"
-    title = "## What the probe can tell: the grid's runs scored on the probe"
-    section = f"{start}\n{title}\n\n{_INTRO}{body}{end}"
-    if start in text:
-        text = text[:text.index(start)] + section + text[text.index(end) + len(end):]
-    else:
-        after = "<!-- /lr-suite -->"
-        i = text.index(after) + len(after)
-        text = f"{text[:i]}\n\n{section}{text[i:]}"
-    doc.write_text(text)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
