@@ -186,9 +186,9 @@ def table(method: str, tasks: list[str], grids: dict[str, Any], store: dict[str,
                 "oracle_lr": oracle_lr, "oracle": oracle, "plain": plain_mean, "hpx": hpx_mean,
                 "vs_plain": hpx_mean / plain_mean if plain_trains else math.nan,
                 "vs_oracle": hpx_mean / oracle, "end_lr": end, "end_vs_oracle": end / oracle_lr,
-                # each seed's end over that seed's probe's pick, geometric mean over the seeds
                 # the probe resolves the grid: its pick is the grid's best on both seeds
                 "resolved": picks is not None and all(p == oracle_lr for p in picks),
+                # each seed's end over that seed's probe's pick, geometric mean over the seeds
                 "end_vs_pick": math.nan if picks is None else math.exp(statistics.fmean(
                     math.log(r["end_lr"] / p) for r, p in zip(runs, picks))),
                 "lost": any(r["lost"] for r in runs) and plain_trains,
