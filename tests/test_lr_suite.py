@@ -325,3 +325,7 @@ def test_the_cost_table_times_both_loops_on_the_same_task():
     md = markdown(rows, 1)
     assert f"| wine_short |  | 100 | {plain:.2f} | {searched:.2f} | {searched / plain:.2f} |" in md
     assert md.startswith("<!-- lr-cost -->") and md.endswith("<!-- /lr-cost -->")
+    # a prototype loop is timed the same way, and named in its table
+    (_, _, halving), = measure(["wine_short"], 1, "halving")
+    md = markdown([("wine_short", plain, halving)], 1, "halving")
+    assert "--method halving`" in md and "| halving / plain |" in md

@@ -2,6 +2,7 @@
 side by side in one process.
 
     python -m benchmarks.lr.cost [--tasks ...] [--repeats 2]   # prints the table; writes docs
+    python -m benchmarks.lr.cost --method halving-end ...    # a suite method or prototype instead
 
 For every task, plain training and ``hpx.autolr`` (exactly as the suite runs them, at the grid's
 best lr, seed 0) train on the same batches, alternating, ``repeats`` times each, on one thread;
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.lr.__main__ import GRIDS, _load, best_of_grid
+from benchmarks.lr.prototypes import LOOPS
 from benchmarks.lr.run import METHODS, plain_train
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
@@ -36,6 +38,8 @@ def _seconds(name: str, lr: float, method: str) -> float:
     t0 = time.perf_counter()
     if method == "plain":
         plain_train(task, model, opt, sched, batches)
+    elif method in LOOPS:
+        LOOPS[method](task, model, opt, sched, batches)
     else:
         engine = METHODS[method](task, model, opt, sched, task.steps, 0)
         for b in batches:
@@ -59,16 +63,18 @@ def measure(names: list[str], repeats: int, method: str = "autolr") -> list[tupl
     return out
 
 
-def markdown(rows: list[tuple[str, float, float]], repeats: int) -> str:
+def markdown(rows: list[tuple[str, float, float]], repeats: int, method: str = "autolr") -> str:
     machine = (f"{platform.machine()}, {os.cpu_count()} logical cores; Python {platform.python_version()}, "
                f"torch {torch.__version__}")
     lines = ["<!-- lr-cost -->", "## The search's cost on the learning-rate suite", "",
-             f"Produced by `python -m benchmarks.lr.cost --repeats {repeats}` on {machine}, one thread.",
-             "Plain training and `hpx.autolr`, at the grid's best lr and on the same batches, run "
+             f"Produced by `python -m benchmarks.lr.cost --repeats {repeats}"
+             + ("" if method == "autolr" else f" --method {method}") + f"` on {machine}, one thread.",
+             f"Plain training and `{'hpx.autolr' if method == 'autolr' else method}`, at the grid's best lr "
+             "and on the same batches, run "
              + ("once each, one after the other," if repeats == 1 else f"{repeats} times each, alternating,"),
              "per task in one process; the ratio is of the fastest run of each.",
              "The bar is a ratio of 1.10.", "",
-             "| task | held out | steps | plain (s) | autolr (s) | autolr / plain |",
+             f"| task | held out | steps | plain (s) | {method} (s) | {method} / plain |",
              "| --- | --- | --- | --- | --- | --- |"]
     for name, p, h in rows:
         lines.append(f"| {name} | {'yes' if name in HELD_OUT else ''} | {TASKS[name].steps} | {p:.2f} | "
@@ -83,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.cost", description=__doc__.split("\n")[0])
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--method", default="autolr", choices=sorted([*METHODS, *LOOPS]))
     a = p.parse_args(argv)
-    md = markdown(measure(a.tasks, a.repeats), a.repeats)
+    md = markdown(measure(a.tasks, a.repeats, a.method), a.repeats, a.method)
     print(md)
-    if a.tasks == list(TASKS):
+    if a.tasks == list(TASKS) and a.method == "autolr":  # the section is autolr's
         doc = ROOT / "docs" / "benchmarks.md"
         text = doc.read_text()
         start, end = "<!-- lr-cost -->", "<!-- /lr-cost -->"
