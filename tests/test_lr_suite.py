@@ -304,6 +304,26 @@ def test_the_chunk_table_counts_each_chunks_pick_against_the_grids_best():
     assert "| digits_mlp | 200 | 2 of 4 |" in md and "| all | | 50% (2 of 4) |" in md
 
 
+def test_the_ceiling_command_runs_as_a_module_and_on_a_task(tmp_path, monkeypatch, capsys):
+    import subprocess
+    import sys
+
+    from benchmarks.lr import __main__ as suite
+    from benchmarks.lr import ceiling
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.lr.ceiling", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "--val-halves" in out and "--chunks" in out
+    # one small task end to end, its stores in a temporary directory: the reruns match the grid
+    monkeypatch.setattr(suite, "RUNS", tmp_path)
+    for name in ("STORE", "CHUNKS", "HALVES"):
+        monkeypatch.setattr(ceiling, name, tmp_path / getattr(ceiling, name).name)
+    assert ceiling.main(["--tasks", "iris_short", "--jobs", "1", "--val-halves"]) == 0
+    md = capsys.readouterr().out
+    assert "Reruns agree with the stored grid" in md and "| iris_short | 30 |" in md
+    assert "the halves agree in" in md and (tmp_path / "ceiling-val.json").exists()
+
+
 def test_the_diagnostic_finds_where_a_reading_crosses_and_where_a_parabola_bottoms():
     from benchmarks.lr.diagnose import FACTORS, RHOS, _crossing, _log_rho_star
 

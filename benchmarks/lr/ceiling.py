@@ -53,6 +53,7 @@ __all__ = ["main"]
 
 STORE = RUNS / "ceiling.json"
 CHUNKS = RUNS / "ceiling-chunks.json"
+HALVES = RUNS / "ceiling-val.json"
 
 
 def _rows(tasks: list[str], grids: dict[str, Any]) -> list[dict[str, Any]]:
@@ -129,6 +130,41 @@ def _chunk_table(tasks: list[str], grids: dict[str, Any], store: dict[str, Any],
     return "\n".join(out)
 
 
+def _half_best(ok: dict[tuple[float, int], list[float]], lrs: list[float], half: int,
+               seeds: tuple[int, ...]) -> float:
+    """The lr whose runs (mean over ``seeds``) score lowest on validation half ``half``."""
+    scored = [(statistics.fmean(ok[(lr, s)][half] for s in seeds), lr) for lr in lrs
+              if all((lr, s) in ok for s in seeds)]
+    return min(scored)[1]
+
+
+def _halves_table(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> str:
+    """Whether the two halves of the validation split agree on the best lr: per seed, and for the
+    mean of the seeds (how the grid's best is chosen)."""
+    out = ["| task | probe size | validation size | halves agree: seed 0, seed 1 | "
+           "halves' best (2-seed mean) over the grid's best |", "| --- | ---: | ---: | --- | --- |"]
+    agree = {True: [0, 0], False: [0, 0]}  # probe larger than _SMALL -> [runs agreeing, runs]
+    for task in tasks:
+        i, lrs, _ = best_of_grid(task, grids)
+        halves = {(lr, s): store[Run(task, "plain", lr, s).key]["val_halves"] for lr in lrs for s in SEEDS}
+        ok = {k: v for k, v in halves.items() if v is not None}
+
+        per_seed = [_half_best(ok, lrs, 0, (s,)) == _half_best(ok, lrs, 1, (s,)) for s in SEEDS]
+        big = sum(y.numel() for _, y in get_task(task).probe()) > _SMALL
+        agree[big][0] += sum(per_seed)
+        agree[big][1] += len(per_seed)
+        val = sum(y.numel() for _, y in get_task(task).data()["val"])
+        probe = sum(y.numel() for _, y in get_task(task).probe())
+        means = ", ".join(f"{_half_best(ok, lrs, h, SEEDS) / lrs[i]:.3g}" for h in (0, 1))
+        out.append(f"| {task} | {probe} | {val} | {', '.join('yes' if a else 'no' for a in per_seed)} | "
+                   f"{means} |")
+    out.append("")
+    for big, what in ((True, f"more than {_SMALL}"), (False, f"at most {_SMALL}")):
+        a, n = agree[big]
+        out.append(f"Tasks whose probe holds {what} examples: the halves agree in {a} of {n} runs.")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.ceiling")
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
@@ -136,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunks", nargs="*", type=int, default=[],
                    help="score each grid run on disjoint chunks of the probe of about this many examples "
                         "(tasks whose probe is larger than the largest; runs/lr/ceiling-chunks.json)")
+    p.add_argument("--val-halves", action="store_true",
+                   help="rerun every grid run and ask whether the two halves of the validation split agree "
+                        "on the best lr (runs/lr/ceiling-val.json)")
     a = p.parse_args(argv)
     grids = _load(GRIDS)
     store = _load(STORE)
@@ -162,11 +201,27 @@ def main(argv: list[str] | None = None) -> int:
         _run_all(runs, chunked, CHUNKS, a.jobs, functools.partial(execute, probe_chunks=tuple(a.chunks)))
         md += _CHUNKS_INTRO.format(sizes=" ".join(map(str, a.chunks)))
         md += _chunk_table(big, grids, chunked, a.chunks) + "\n"
+    if a.val_halves:
+        halved = _load(HALVES)
+        runs = [Run(t, "plain", lr, s) for t in a.tasks for lr in grid_lrs(t, grids) for s in SEEDS]
+        _run_all(runs, halved, HALVES, a.jobs, functools.partial(execute, val_halves=True))
+        md += _HALVES_INTRO + _halves_table(a.tasks, grids, halved) + "\n"
     print(md)
     if a.tasks == list(TASKS):
         write_section("lr-ceiling", "What the probe can tell: the grid's runs scored on the probe",
                       _INTRO + md, after="lr-suite")
     return 0
+
+
+_HALVES_INTRO = """
+#### The validation split cut in two (`--val-halves`)
+
+Every grid run (both seeds) scored on each half of the validation split: whether the two halves
+agree on the best lr, per seed and for the 2-seed mean the grid's best is chosen by. Where they
+disagree, the grid's best is itself within the validation split's noise, and no search can be
+expected to find it.
+
+"""
 
 
 _CHUNKS_INTRO = """
@@ -198,3 +253,7 @@ lines split the tasks by the probe's size, at 200 examples, where the tables bre
 after seeing them).
 
 """
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -143,11 +143,22 @@ def _chunk_losses(task: Task, model: torch.nn.Module, size: int) -> list[float]:
     return losses
 
 
-def execute(run: Run, probe_chunks: tuple[int, ...] = ()) -> dict[str, Any]:
+@torch.no_grad()
+def _val_halves(task: Task, model: torch.nn.Module) -> list[float]:
+    """The validation loss (as :meth:`Task.evaluate` computes it) on the first and the second half of
+    the validation rows."""
+    x = torch.cat([b[0] for b in task.data()["val"]])
+    y = torch.cat([b[1] for b in task.data()["val"]])
+    h = len(y) // 2
+    return [task.evaluate(model, [(x[:h], y[:h])]), task.evaluate(model, [(x[h:], y[h:])])]
+
+
+def execute(run: Run, probe_chunks: tuple[int, ...] = (), val_halves: bool = False) -> dict[str, Any]:
     """Train once; ``{"val", "probe", "lost", "seconds", "end_lr", "history"}`` (val is NaN when
     the run diverged; probe, the final weights' loss on the probe split, is None then). For each
     ``k`` in ``probe_chunks``, ``out["chunks"][str(k)]`` holds the final weights' loss on each
-    disjoint chunk of the probe of about ``k`` examples (tokens for a language model).
+    disjoint chunk of the probe of about ``k`` examples (tokens for a language model). With
+    ``val_halves``, ``out["val_halves"]`` holds the validation loss on each half of its rows.
 
     The global RNG, which dropout draws from, is seeded from the run's seed (and put back after),
     so a run's result does not depend on the runs its process did before, and a method and plain
@@ -155,10 +166,10 @@ def execute(run: Run, probe_chunks: tuple[int, ...] = ()) -> dict[str, Any]:
     torch.set_num_threads(1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(20_000 + run.seed)
-        return _execute(run, probe_chunks)
+        return _execute(run, probe_chunks, val_halves)
 
 
-def _execute(run: Run, probe_chunks: tuple[int, ...]) -> dict[str, Any]:
+def _execute(run: Run, probe_chunks: tuple[int, ...], val_halves: bool) -> dict[str, Any]:
     task = _with_steps(get_task(run.task), run.steps)
     model = task.model(run.seed)
     opt = task.optimizer(model, run.lr)
@@ -193,6 +204,8 @@ def _execute(run: Run, probe_chunks: tuple[int, ...]) -> dict[str, Any]:
     if not math.isfinite(val):
         val = math.nan
     out["probe"] = _probe(task, final) if final is not None and not math.isnan(val) else None
+    if val_halves:
+        out["val_halves"] = _val_halves(task, final) if out["probe"] is not None else None
     if probe_chunks:
         out["chunks"] = {str(k): _chunk_losses(task, final, k) if out["probe"] is not None else None
                          for k in probe_chunks}

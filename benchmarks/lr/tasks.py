@@ -121,12 +121,13 @@ class Task:
         return self.data()["probe"]
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> float:
-        """The validation loss, in eval mode (the quantity every table compares)."""
+    def evaluate(self, model: nn.Module, batches: list[Batch] | None = None) -> float:
+        """The validation loss, in eval mode (the quantity every table compares); on ``batches``
+        instead of the validation split when given."""
         was = model.training
         model.eval()
         tot, n = 0.0, 0
-        for x, y in self.data()["val"]:
+        for x, y in self.data()["val"] if batches is None else batches:
             out = model(x)
             if self.kind == "reg":
                 tot += float(F.mse_loss(out.squeeze(-1), y, reduction="sum"))
