@@ -144,6 +144,7 @@ def _halves_table(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]
     out = ["| task | probe size | validation size | halves agree: seed 0, seed 1 | "
            "halves' best (2-seed mean) over the grid's best |", "| --- | ---: | ---: | --- | --- |"]
     agree = {True: [0, 0], False: [0, 0]}  # probe larger than _SMALL -> [runs agreeing, runs]
+    stable = 0  # tasks where each half, like the whole split, picks the grid's best
     for task in tasks:
         i, lrs, _ = best_of_grid(task, grids)
         halves = {(lr, s): store[Run(task, "plain", lr, s).key]["val_halves"] for lr in lrs for s in SEEDS}
@@ -155,13 +156,16 @@ def _halves_table(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]
         agree[big][1] += len(per_seed)
         val = sum(y.numel() for _, y in get_task(task).data()["val"])
         probe = sum(y.numel() for _, y in get_task(task).probe())
-        means = ", ".join(f"{_half_best(ok, lrs, h, SEEDS) / lrs[i]:.3g}" for h in (0, 1))
+        bests = [_half_best(ok, lrs, h, SEEDS) for h in (0, 1)]
+        stable += all(b == lrs[i] for b in bests)
+        means = ", ".join(f"{b / lrs[i]:.3g}" for b in bests)
         out.append(f"| {task} | {probe} | {val} | {', '.join('yes' if a else 'no' for a in per_seed)} | "
                    f"{means} |")
     out.append("")
     for big, what in ((True, f"more than {_SMALL}"), (False, f"at most {_SMALL}")):
         a, n = agree[big]
         out.append(f"Tasks whose probe holds {what} examples: the halves agree in {a} of {n} runs.")
+    out.append(f"Each half alone picks the grid's best (2-seed mean) on {stable} of {len(tasks)} tasks.")
     return "\n".join(out)
 
 
@@ -235,8 +239,8 @@ whose pick is the grid's best.
 
 
 _INTRO = """\
-Produced by `python -m benchmarks.lr.ceiling --chunks 30 100 200` (which writes this section;
-about 25 minutes on two cores), from the suite's grids (`benchmarks/lr/grids.json`): every grid
+Produced by `python -m benchmarks.lr.ceiling --chunks 30 100 200 --val-halves` (which writes this
+section; about 35 minutes on two cores), from the suite's grids (`benchmarks/lr/grids.json`): every grid
 run, both seeds, rerun with the same batches and scored on the probe split at its end, in eval
 mode.
 
