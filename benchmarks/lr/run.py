@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import hpx
-from benchmarks.lr.prototypes import LOOPS
+from benchmarks.lr.prototypes import LOOPS, probe_loss
 from benchmarks.lr.tasks import Task, get_task
 from hpx.search import Stretch
 
@@ -121,8 +121,7 @@ def _probe(task: Task, model: torch.nn.Module) -> float | None:
     """The mean loss of ``model`` over the task's probe batches, in eval mode as validation is."""
     was = model.training
     model.eval()
-    probe = task.probe()
-    loss = sum(float(task.loss(model, b)) for b in probe) / len(probe)
+    loss = probe_loss(task, model)
     model.train(was)
     return loss if math.isfinite(loss) else None
 
