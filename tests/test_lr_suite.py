@@ -349,3 +349,44 @@ def test_the_cost_table_times_both_loops_on_the_same_task():
     (_, _, halving), = measure(["wine_short"], 1, "halving")
     md = markdown([("wine_short", plain, halving)], 1, "halving")
     assert "--method halving`" in md and "| halving / plain |" in md
+
+
+def test_paired_gain_counts_standard_errors_of_the_per_example_difference():
+    from benchmarks.lr.prototypes import _unit_losses, paired_gain
+
+    task = replace(TASKS["digits_mlp"], steps=30)
+    model = task.model(0)
+    start = [p.detach().clone() for p in model.parameters()]
+    gen = torch.Generator().manual_seed(2)
+    opt = task.optimizer(model, 0.1)
+    for _ in range(30):
+        loss = task.loss(model, task.sample(gen))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    trained = [p.detach().clone() for p in model.parameters()]
+    units = _unit_losses(task, model, trained)
+    # one loss per probe example, whose mean is the probe loss the suite reads
+    assert units.shape == (sum(len(y) for _, y in task.probe()),)
+    from benchmarks.lr.prototypes import probe_at
+    model.eval()
+    assert float(units.mean()) == pytest.approx(probe_at(task, model, trained), rel=1e-5)
+    d = _unit_losses(task, model, start) - units
+    gain = paired_gain(task, model, trained, model, start)
+    assert gain == pytest.approx(float(d.mean()) / (float(d.std()) / len(d) ** 0.5))
+    assert gain > 2 and paired_gain(task, model, start, model, trained) == pytest.approx(-gain)
+    assert paired_gain(task, model, trained, model, trained) == 0.0
+    # the parameters are put back
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), trained))
+
+
+def test_a_confident_end_keeps_the_start_unless_the_challenger_wins_by_z_standard_errors():
+    cuts = ((0.1, 2), (1.0, 1))
+    # the start 1000x too low loses clearly to a 10x fork: with or without a confidence test it moves
+    _, _, moved, _ = _record_steps("halving", 1e-4, mults=(1.0, 10.0, 0.5), cuts=cuts, protect=True,
+                                   confidence=2.0)
+    assert moved == 10.0
+    # a bar no difference can clear keeps the start
+    _, _, stayed, calls = _record_steps("halving", 1e-4, mults=(1.0, 10.0, 0.5), cuts=cuts, protect=True,
+                                        confidence=1e9)
+    assert stayed == 1.0 and {f for f, _ in calls[-54:]} == {1.0, 10.0}

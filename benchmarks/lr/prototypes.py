@@ -13,10 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.lr.tasks import Task
 
-__all__ = ["LOOPS", "probe_at", "probe_loss"]
+__all__ = ["LOOPS", "paired_gain", "probe_at", "probe_loss"]
 
 State = tuple[torch.nn.Module, torch.optim.Optimizer, Any]
 
@@ -163,7 +164,8 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             batches: Sequence[Any], *,
             mults: Sequence[float] = tuple(10 ** (k / 2) for k in range(-2, 3)),
             cuts: Sequence[tuple[float, int]] = ((0.10, 3), (0.25, 2), (0.50, 1)),
-            protect: bool = False, cool: float = 0.0) -> tuple[torch.nn.Module, float]:
+            protect: bool = False, cool: float = 0.0,
+            confidence: float = 0.0) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -173,7 +175,10 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     With ``protect`` the start's own fork survives every cut but the last, where it loses only to
     a fork that scores better. With ``cool`` each fork is scored instead at a copy of it annealed
     over the next ``cool`` of the run (its lr factor taken linearly to 0; the copy is dropped): the
-    fork as it would end if the run ended there."""
+    fork as it would end if the run ended there. With ``confidence`` ``z > 0`` (and ``protect``), the
+    last cut keeps the start unless the best challenger beats it by more than ``z`` standard errors
+    of their paired per-example probe losses (:func:`paired_gain`): a difference the probe cannot
+    tell from noise leaves the user's lr in place."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total)
@@ -206,6 +211,10 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             own = [i for i, m in enumerate(factors) if m == 1.0]
             if protect and keep > 1 and own and own[0] not in order:
                 order = [*order[:keep - 1], own[0]]
+            if protect and keep == 1 and confidence > 0 and own and order[0] != own[0] and alive[own[0]]:
+                gain = paired_gain(task, forks[order[0]][0], emas[order[0]], forks[own[0]][0], emas[own[0]])
+                if gain < confidence:
+                    order = [own[0]]
             forks, factors = [forks[i] for i in order], [factors[i] for i in order]
             emas, alive, rngs = [emas[i] for i in order], [alive[i] for i in order], [rngs[i] for i in order]
     torch.random.set_rng_state(rngs[0])  # the global RNG ends where the survivor's run left it
@@ -225,6 +234,49 @@ def _cooled(task: Task, state: State, factor: float, batches: Sequence[Any]) -> 
     return _scored(task, copy_[0], [p.detach() for p in copy_[0].parameters()])
 
 
+@torch.no_grad()
+def _unit_losses(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> torch.Tensor:
+    """The probe's loss per unit (an example; a sequence's mean for a language model) at ``weights``,
+    in eval mode."""
+    params = list(model.parameters())
+    keep = [p.detach().clone() for p in params]
+    was = model.training
+    model.eval()
+    try:
+        for p, w in zip(params, weights):
+            p.copy_(w)
+        units = []
+        for x, y in task.probe():
+            out = model(x)
+            if task.kind == "reg":
+                units.append((out.squeeze(-1) - y) ** 2)
+            else:
+                per = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none")
+                units.append(per.reshape(y.shape[0], -1).mean(1))
+        return torch.cat(units).double()
+    finally:
+        for p, k in zip(params, keep):
+            p.copy_(k)
+        model.train(was)
+
+
+def paired_gain(task: Task, model_a: torch.nn.Module, weights_a: list[torch.Tensor],
+                model_b: torch.nn.Module, weights_b: list[torch.Tensor]) -> float:
+    """How many standard errors ``a`` scores below ``b`` on the probe, example by example: the mean
+    of ``loss_b - loss_a`` over the probe's units over its standard error (``inf`` when ``b`` is
+    not finite and ``a`` is, ``-inf`` the other way round, 0 when they are equal everywhere)."""
+    la, lb = _unit_losses(task, model_a, weights_a), _unit_losses(task, model_b, weights_b)
+    fa, fb = bool(torch.isfinite(la).all()), bool(torch.isfinite(lb).all())
+    if not (fa and fb):
+        return math.inf if fa else -math.inf
+    d = lb - la
+    se = float(d.std()) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+    mean = float(d.mean())
+    if se == 0.0:
+        return 0.0 if mean == 0.0 else math.copysign(math.inf, mean)
+    return mean / se
+
+
 def _scored(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> float:
     """:func:`probe_at` in eval mode (no dropout; BatchNorm reads its running statistics and does not
     update them), then back to training."""
@@ -234,6 +286,8 @@ def _scored(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> 
     finally:
         model.train()
 
+
+_TO_THE_END = ((0.10, 3), (0.25, 2), (1.0, 1))  # the start and the best challenger are judged finished
 
 # A loop: f(task, model, optimizer, scheduler, batches) -> (final model, end factor).
 LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
@@ -245,5 +299,7 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "halving": halving,
     "halving-protect": lambda *a: halving(*a, protect=True),
     "halving-cool": lambda *a: halving(*a, cool=0.05),
-    "halving-end": lambda *a: halving(*a, cuts=((0.10, 3), (0.25, 2), (1.0, 1)), protect=True),
+    "halving-end": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True),
+    "halving-end-z1": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, confidence=1.0),
+    "halving-end-z2": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, confidence=2.0),
 }
