@@ -390,3 +390,14 @@ def test_a_confident_end_keeps_the_start_unless_the_challenger_wins_by_z_standar
     _, _, stayed, calls = _record_steps("halving", 1e-4, mults=(1.0, 10.0, 0.5), cuts=cuts, protect=True,
                                         confidence=1e9)
     assert stayed == 1.0 and {f for f, _ in calls[-54:]} == {1.0, 10.0}
+
+
+def test_a_lost_start_gives_way_to_a_challenger_that_learnt_without_the_test():
+    cuts = ((0.1, 2), (1.0, 1))
+    # at 30 the start ends worse on the probe than its initial weights; the fork at 0.01x learns.
+    # A bar no difference can clear keeps even a lost start, unless lost starts give way
+    kw = dict(mults=(1.0, 0.01, 1e-6), cuts=cuts, protect=True, confidence=1e9)
+    _, _, kept, _ = _record_steps("halving", 30.0, **kw)
+    task, final, moved, _ = _record_steps("halving", 30.0, lost_start=True, **kw)
+    assert kept == 1.0 and moved == 0.01
+    assert task.evaluate(final) < task.evaluate(task.model(0))

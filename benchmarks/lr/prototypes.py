@@ -164,8 +164,8 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             batches: Sequence[Any], *,
             mults: Sequence[float] = tuple(10 ** (k / 2) for k in range(-2, 3)),
             cuts: Sequence[tuple[float, int]] = ((0.10, 3), (0.25, 2), (0.50, 1)),
-            protect: bool = False, cool: float = 0.0,
-            confidence: float = 0.0) -> tuple[torch.nn.Module, float]:
+            protect: bool = False, cool: float = 0.0, confidence: float = 0.0,
+            lost_start: bool = False) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -178,7 +178,10 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     fork as it would end if the run ended there. With ``confidence`` ``z > 0`` (and ``protect``), the
     last cut keeps the start unless the best challenger beats it by more than ``z`` standard errors
     of their paired per-example probe losses (:func:`paired_gain`): a difference the probe cannot
-    tell from noise leaves the user's lr in place."""
+    tell from noise leaves the user's lr in place. With ``lost_start`` as well, a start that ends no
+    better on the probe than the initial weights did (a lost run: the test is blind there, since a
+    run that diverged or collapsed has heavy-tailed per-example losses) gives way to a challenger
+    that ends better than them, without the test."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total)
@@ -189,6 +192,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     # each fork draws its dropout from its own copy of the global RNG as it was at the start: the
     # forks see the same draws (common random numbers), and the start's fork those of plain training
     rngs = [torch.random.get_rng_state()] * len(forks)
+    initial = _scored(task, model, [p.detach() for p in model.parameters()]) if lost_start else math.nan
     model.train()
     for t, b in enumerate(batches, 1):
         for i, f in enumerate(forks):
@@ -212,8 +216,9 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             if protect and keep > 1 and own and own[0] not in order:
                 order = [*order[:keep - 1], own[0]]
             if protect and keep == 1 and confidence > 0 and own and order[0] != own[0] and alive[own[0]]:
-                gain = paired_gain(task, forks[order[0]][0], emas[order[0]], forks[own[0]][0], emas[own[0]])
-                if gain < confidence:
+                lost = scores[own[0]] >= initial > scores[order[0]]  # False without lost_start (nan)
+                if not lost and paired_gain(task, forks[order[0]][0], emas[order[0]],
+                                            forks[own[0]][0], emas[own[0]]) < confidence:
                     order = [own[0]]
             forks, factors = [forks[i] for i in order], [factors[i] for i in order]
             emas, alive, rngs = [emas[i] for i in order], [alive[i] for i in order], [rngs[i] for i in order]
@@ -302,4 +307,6 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "halving-end": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True),
     "halving-end-z1": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, confidence=1.0),
     "halving-end-z2": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, confidence=2.0),
+    "halving-end-z2-lost": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, confidence=2.0,
+                                              lost_start=True),
 }
