@@ -174,11 +174,12 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     the lr in ``benchmarks.lr.diagnose``, paid for in steps (``sum`` over forks of their length).
     With ``protect`` the start's own fork survives every cut but the last, where it loses only to
     a fork that scores better. With ``cool`` each fork is scored instead at a copy of it annealed
-    over the next ``cool`` of the run (its lr factor taken linearly to 0; the copy is dropped): the
-    fork as it would end if the run ended there. With ``confidence`` ``z > 0`` (and ``protect``), the
-    last cut keeps the start unless the best challenger beats it by more than ``z`` standard errors
-    of their paired per-example probe losses (:func:`paired_gain`): a difference the probe cannot
-    tell from noise leaves the user's lr in place. With ``lost_start`` as well, a start that ends no
+    over the next ``cool`` of the run at every cut before the run's end (its lr factor taken
+    linearly to 0; the copy is dropped): the fork as it would end if the run ended there. With
+    ``confidence`` ``z > 0`` (and ``protect``), the last cut keeps the start unless the best
+    challenger beats it by more than ``z`` standard errors of their paired per-example probe losses
+    (:func:`paired_gain`): a difference the probe cannot tell from noise leaves the user's lr in
+    place. With ``lost_start`` as well, a start that ends no
     better on the probe than the initial weights did (a lost run: the test is blind there, since a
     run that diverged or collapsed has heavy-tailed per-example losses) gives way to a challenger
     that ends better than them, without the test."""
@@ -204,7 +205,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                     torch._foreach_lerp_(emas[i], list(f[0].parameters()), lam)
         keep = plan.get(t)
         if keep is not None and keep < len(forks):
-            if cool > 0:
+            if cool > 0 and t < total:  # a finished fork is scored as it is
                 k = max(1, round(cool * total))
                 nxt = [batches[(t + j) % total] for j in range(k)]
                 scores = [_cooled(task, f, m, nxt) if ok else math.inf
@@ -309,4 +310,6 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "halving-end-z2": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, confidence=2.0),
     "halving-end-z2-lost": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, confidence=2.0,
                                               lost_start=True),
+    "halving-end-cool-z2-lost": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
+                                                   confidence=2.0, lost_start=True),
 }
