@@ -165,7 +165,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             mults: Sequence[float] = tuple(10 ** (k / 2) for k in range(-2, 3)),
             cuts: Sequence[tuple[float, int]] = ((0.10, 3), (0.25, 2), (0.50, 1)),
             protect: bool = False, cool: float = 0.0, confidence: float = 0.0,
-            lost_start: bool = False) -> tuple[torch.nn.Module, float]:
+            lost_start: bool = False, average: bool = True) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -182,10 +182,11 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     place. With ``lost_start`` as well, a start that ends no
     better on the probe than the initial weights did (a lost run: the test is blind there, since a
     run that diverged or collapsed has heavy-tailed per-example losses) gives way to a challenger
-    that ends better than them, without the test."""
+    that ends better than them, without the test. Without ``average`` every score reads the forks'
+    last weights instead of their averages."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
-    lam = min(1.0, 40 / total)
+    lam = min(1.0, 40 / total) if average else 1.0
     forks = [copy.deepcopy((model, opt, sched)) if m != 1.0 else (model, opt, sched) for m in mults]
     factors = list(mults)
     emas = [[p.detach().clone() for p in f[0].parameters()] for f in forks]
@@ -312,4 +313,6 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
                                               lost_start=True),
     "halving-end-cool-z2-lost": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                    confidence=2.0, lost_start=True),
+    "halving-end-cool-z2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
+                                                        confidence=2.0, lost_start=True, average=False),
 }
