@@ -401,3 +401,16 @@ def test_a_lost_start_gives_way_to_a_challenger_that_learnt_without_the_test():
     task, final, moved, _ = _record_steps("halving", 30.0, lost_start=True, **kw)
     assert kept == 1.0 and moved == 0.01
     assert task.evaluate(final) < task.evaluate(task.model(0))
+
+
+def test_a_sided_cut_keeps_the_start_and_the_best_fork_on_each_side():
+    cuts = ((0.1, 3), (1.0, 1))
+    mults = (1.0, 0.1, 0.3, 3.0, 10.0)
+    # from far too low a start, the two forks above win the cut on their scores alone
+    _, _, _, free = _record_steps("halving", 1e-3, mults=mults, cuts=cuts, protect=True)
+    _, _, _, sided = _record_steps("halving", 1e-3, mults=mults, cuts=cuts, protect=True, sided=True)
+    assert {f for f, _ in free[30:]} == {1.0, 3.0, 10.0}
+    later = {f for f, _ in sided[30:]}
+    assert len(later) == 3 and 1.0 in later and min(later) < 1.0 < max(later)
+    # the fork kept below is the better-scoring of the two below: 0.3 (0.1 learns even less)
+    assert later == {0.3, 1.0, 10.0}

@@ -165,7 +165,8 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             mults: Sequence[float] = tuple(10 ** (k / 2) for k in range(-2, 3)),
             cuts: Sequence[tuple[float, int]] = ((0.10, 3), (0.25, 2), (0.50, 1)),
             protect: bool = False, cool: float = 0.0, confidence: float = 0.0,
-            lost_start: bool = False, average: bool = True) -> tuple[torch.nn.Module, float]:
+            lost_start: bool = False, average: bool = True,
+            sided: bool = False) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -183,7 +184,9 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     better on the probe than the initial weights did (a lost run: the test is blind there, since a
     run that diverged or collapsed has heavy-tailed per-example losses) gives way to a challenger
     that ends better than them, without the test. Without ``average`` every score reads the forks'
-    last weights instead of their averages."""
+    last weights instead of their averages. With ``sided`` (and ``protect``) a cut that keeps 3
+    keeps the start and the best fork on each side of it (below and above its lr), so an early
+    reading's pull toward one side cannot cut every fork on the other."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total) if average else 1.0
@@ -215,6 +218,11 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                 scores = [_scored(task, f[0], e) if ok else math.inf for f, e, ok in zip(forks, emas, alive)]
             order = sorted(range(len(forks)), key=lambda i: (scores[i], abs(math.log(factors[i]))))[:keep]
             own = [i for i, m in enumerate(factors) if m == 1.0]
+            ranked = sorted(range(len(forks)), key=lambda i: (scores[i], abs(math.log(factors[i]))))
+            if sided and protect and keep == 3 and own:
+                below = [i for i in ranked if factors[i] < 1.0][:1]
+                above = [i for i in ranked if factors[i] > 1.0][:1]
+                order = sorted([own[0], *below, *above], key=ranked.index)
             if protect and keep > 1 and own and own[0] not in order:
                 order = [*order[:keep - 1], own[0]]
             if protect and keep == 1 and confidence > 0 and own and order[0] != own[0] and alive[own[0]]:
@@ -315,4 +323,6 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
                                                    confidence=2.0, lost_start=True),
     "halving-end-cool-z2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                         confidence=2.0, lost_start=True, average=False),
+    "halving-sided-z2-lost": lambda *a: halving(*a, cuts=((0.10, 3), (1.0, 1)), protect=True, sided=True,
+                                                confidence=2.0, lost_start=True, average=False),
 }
