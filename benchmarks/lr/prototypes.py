@@ -7,9 +7,10 @@ method (``python -m benchmarks.lr eval --method race``), so its table reads like
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -46,17 +47,27 @@ def probe_loss(task: Task, model: torch.nn.Module) -> float:
     return loss if math.isfinite(loss) else math.inf
 
 
+@contextlib.contextmanager
+def _holding(model: torch.nn.Module, weights: list[torch.Tensor]) -> Iterator[None]:
+    """``model``'s parameters set to ``weights`` inside the block, put back after it."""
+    params = list(model.parameters())
+    with torch.no_grad():
+        keep = [p.detach().clone() for p in params]
+        for p, w in zip(params, weights):
+            p.copy_(w)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, k in zip(params, keep):
+                p.copy_(k)
+
+
 @torch.no_grad()
 def probe_at(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> float:
     """:func:`probe_loss` with ``model``'s parameters set to ``weights`` (then put back)."""
-    params = list(model.parameters())
-    keep = [p.detach().clone() for p in params]
-    for p, w in zip(params, weights):
-        p.copy_(w)
-    loss = probe_loss(task, model)
-    for p, k in zip(params, keep):
-        p.copy_(k)
-    return loss
+    with _holding(model, weights):
+        return probe_loss(task, model)
 
 
 def race(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
@@ -180,10 +191,10 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     ``confidence`` ``z > 0`` (and ``protect``), the last cut keeps the start unless the best
     challenger beats it by more than ``z`` standard errors of their paired per-example probe losses
     (:func:`paired_gain`): a difference the probe cannot tell from noise leaves the user's lr in
-    place. With ``lost_start`` as well, a start that ends no
-    better on the probe than the initial weights did (a lost run: the test is blind there, since a
-    run that diverged or collapsed has heavy-tailed per-example losses) gives way to a challenger
-    that ends better than them, without the test. Without ``average`` every score reads the forks'
+    place. With ``lost_start`` as well, a start that ends no better on the probe than the initial
+    weights did (a lost run: the test is blind there, since a run that diverged or collapsed has
+    heavy-tailed per-example losses) gives way to a challenger that ends better than them, without
+    the test. Without ``average`` every score reads the forks'
     last weights instead of their averages. With ``sided`` (and ``protect``) a cut that keeps 3
     keeps the start and the best fork on each side of it (below and above its lr), so an early
     reading's pull toward one side cannot cut every fork on the other."""
@@ -216,9 +227,9 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                           for f, m, ok in zip(forks, factors, alive)]
             else:
                 scores = [_scored(task, f[0], e) if ok else math.inf for f, e, ok in zip(forks, emas, alive)]
-            order = sorted(range(len(forks)), key=lambda i: (scores[i], abs(math.log(factors[i]))))[:keep]
-            own = [i for i, m in enumerate(factors) if m == 1.0]
             ranked = sorted(range(len(forks)), key=lambda i: (scores[i], abs(math.log(factors[i]))))
+            order = ranked[:keep]
+            own = [i for i, m in enumerate(factors) if m == 1.0]
             if sided and protect and keep == 3 and own:
                 below = [i for i in ranked if factors[i] < 1.0][:1]
                 above = [i for i in ranked if factors[i] > 1.0][:1]
@@ -253,26 +264,21 @@ def _cooled(task: Task, state: State, factor: float, batches: Sequence[Any]) -> 
 def _unit_losses(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> torch.Tensor:
     """The probe's loss per unit (an example; a sequence's mean for a language model) at ``weights``,
     in eval mode."""
-    params = list(model.parameters())
-    keep = [p.detach().clone() for p in params]
     was = model.training
     model.eval()
+    units = []
     try:
-        for p, w in zip(params, weights):
-            p.copy_(w)
-        units = []
-        for x, y in task.probe():
-            out = model(x)
-            if task.kind == "reg":
-                units.append((out.squeeze(-1) - y) ** 2)
-            else:
-                per = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none")
-                units.append(per.reshape(y.shape[0], -1).mean(1))
-        return torch.cat(units).double()
+        with _holding(model, weights):
+            for x, y in task.probe():
+                out = model(x)
+                if task.kind == "reg":
+                    units.append((out.squeeze(-1) - y) ** 2)
+                else:
+                    per = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="none")
+                    units.append(per.reshape(y.shape[0], -1).mean(1))
     finally:
-        for p, k in zip(params, keep):
-            p.copy_(k)
         model.train(was)
+    return torch.cat(units).double()
 
 
 def paired_gain(task: Task, model_a: torch.nn.Module, weights_a: list[torch.Tensor],
