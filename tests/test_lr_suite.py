@@ -223,6 +223,9 @@ def test_successive_halving_runs_whole_forks_and_cuts_them_on_time():
     # after the first cut's 30 steps, the first copy's lr factor falls linearly toward 0
     ramp = [f for f, _ in cooled[30:33]]
     assert ramp == pytest.approx([ramp[0] * (3 - j) / 3 for j in range(3)])
+    # a cut at the run's end scores the finished forks as they are: copies at the first two cuts only
+    _, _, _, ended = _record_steps("halving", 0.1, cuts=((0.1, 3), (0.25, 2), (1.0, 1)), cool=0.05)
+    assert len(ended) == 5 * 6 + 3 * 9 + 2 * 45 + 3 * (5 + 3)
 
 
 def test_the_starts_fork_sees_plain_trainings_dropout_draws():
@@ -414,3 +417,20 @@ def test_a_sided_cut_keeps_the_start_and_the_best_fork_on_each_side():
     assert len(later) == 3 and 1.0 in later and min(later) < 1.0 < max(later)
     # the fork kept below is the better-scoring of the two below: 0.3 (0.1 learns even less)
     assert later == {0.3, 1.0, 10.0}
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_halving_scores_averaged_or_last_weights(monkeypatch, average):
+    from benchmarks.lr import prototypes
+
+    seen = []
+    real = prototypes._scored
+
+    def spy(task, model, weights):
+        seen.append(all(torch.equal(w, p) for w, p in zip(weights, model.parameters())))
+        return real(task, model, weights)
+
+    monkeypatch.setattr(prototypes, "_scored", spy)
+    _record_steps("halving", 0.1, mults=(1.0, 3.0), cuts=((0.5, 1),), average=average)
+    # two forks scored at the cut: at their last weights exactly, or at averages that lag them
+    assert len(seen) == 2 and seen == [not average] * 2
