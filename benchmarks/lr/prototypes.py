@@ -329,8 +329,9 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
                                                    confidence=2.0, lost_start=True),
     "halving-end-cool-z2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                         confidence=2.0, lost_start=True, average=False),
-    "halving-late-cool-z2-lost": lambda *a: halving(*a, cuts=((0.25, 3), (0.50, 2), (1.0, 1)), protect=True,
-                                                    cool=0.05, confidence=2.0, lost_start=True, average=False),
+    "halving-late-cool-z2-lost": lambda *a: halving(*a, cuts=((0.25, 3), (0.50, 2), (1.0, 1)),
+                                                    protect=True, cool=0.05, confidence=2.0, lost_start=True,
+                                                    average=False),
     "halving-sided-z2-lost": lambda *a: halving(*a, cuts=((0.10, 3), (1.0, 1)), protect=True, sided=True,
                                                 confidence=2.0, lost_start=True, average=False),
 }
