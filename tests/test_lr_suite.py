@@ -6,6 +6,7 @@ Quick runs check the plumbing, not the numbers; the numbers come from ``python -
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import replace
 
@@ -434,3 +435,34 @@ def test_halving_scores_averaged_or_last_weights(monkeypatch, average):
     _record_steps("halving", 0.1, mults=(1.0, 3.0), cuts=((0.5, 1),), average=average)
     # two forks scored at the cut: at their last weights exactly, or at averages that lag them
     assert len(seen) == 2 and seen == [not average] * 2
+
+
+def test_the_offgrid_command_runs_as_a_module_and_counts_cells(tmp_path, monkeypatch, capsys):
+    import subprocess
+    import sys
+
+    from benchmarks.lr import offgrid
+
+    out = subprocess.run([sys.executable, "-m", "benchmarks.lr.offgrid", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    assert "--offsets" in out and "--method" in out
+    monkeypatch.setattr(offgrid, "STORE", tmp_path / "offgrid.json")
+    assert offgrid.main(["--method", "halving-end", "--tasks", "iris_short", "--jobs", "1",
+                         "--offsets", "-0.75", "0.25"]) == 0
+    md = capsys.readouterr().out
+    # a start 10^0.25 = 1.78x the best is near it, one at 10^-0.75 = 0.178x is not
+    assert "| iris_short | 1.78x |" in md and "| iris_short | 0.178x |" in md
+    store = json.loads((tmp_path / "offgrid.json").read_text())
+    assert len(store) == 2 * 2 * 2  # plain and the method, 2 starts, 2 seeds
+
+
+def test_offgrid_rows_read_plain_the_method_and_the_oracle():
+    from benchmarks.lr.offgrid import _markdown
+
+    table = [{"task": "t", "offset": 0.25, "plain": 1.0, "hpx": 1.01, "oracle": 0.9, "end_vs_best": 1.78},
+             {"task": "t", "offset": -0.75, "plain": 2.0, "hpx": 0.93, "oracle": 0.9, "end_vs_best": 1.0},
+             {"task": "u", "offset": 0.75, "plain": 1.0, "hpx": 1.1, "oracle": 1.0, "end_vs_best": 5.6}]
+    md = _markdown(table, "m")
+    assert "| t | 1.78x | 1.0000 | 1.0100 | 1.010 | 1.122 | 1.78 |" in md
+    assert "within 2% of plain training at that start (or better) in 1 of 1 cells" in md
+    assert "within 5% of the oracle in 1 of 2 cells; more than 2% worse than plain training there in 1" in md
