@@ -21,6 +21,7 @@ from hpx.errors import ConfigError as ConfigError
 from hpx.errors import ConsistencyError as ConsistencyError
 from hpx.errors import HpxError as HpxError
 from hpx.errors import NonFiniteError as NonFiniteError
+from hpx.forks import Forks as Forks
 from hpx.history import format_history as format_history
 from hpx.history import load_history as load_history
 from hpx.history import plot_history as plot_history

@@ -92,7 +92,15 @@ def _sparse(min_gap: int, probe_batches: int) -> Callable[..., hpx.Engine]:
 # A method: f(task, model, optimizer, scheduler, steps, seed) -> an hpx.Engine to step.
 # "autolr" is the library's default (Stretch with a dead zone of 0.2 on shrinks); "deadzone-<tau>" a
 # dead zone on both sides ("deadzone-0" is the search without one, as it was before)
-METHODS: dict[str, Callable[..., hpx.Engine]] = {"autolr": _autolr, **{
+def _forks(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int,
+           seed: int) -> hpx.Forks:
+    """hpx.Forks with its defaults, given what autolr is given: the optimizer at the peak lr, the
+    task's own torch scheduler, its probe split."""
+    return hpx.Forks(model, opt, total_steps=steps, schedule=sched, probe=task.probe(),
+                     loss_fn=lambda rep, b: task.loss(rep.model, b))
+
+
+METHODS: dict[str, Callable[..., Any]] = {"autolr": _autolr, "Forks": _forks, **{
     f"deadzone-{tau:g}": _dead_zone(tau) for tau in (0.0, 0.1, 0.2, 0.3)},
     "sparse-5-1": _sparse(5, 1)}
 

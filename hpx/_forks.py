@@ -1,0 +1,210 @@
+"""The parts of :class:`hpx.Forks` that are not the search itself: one fork (a whole run), the
+paired test, the random streams, the probe's losses per example and the checks of the settings."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from collections.abc import Iterable, Sized
+from numbers import Integral, Real
+from typing import Any
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from hpx import _checks
+from hpx.backends.base import Collective
+from hpx.errors import ConfigError
+from hpx.replica import Replica
+from hpx.signals import LossFn, _leaves, _one_batch_problems
+
+
+class _Fork:
+    """One whole run: a replica (model, optimizer), its scheduler, its random stream (``None``:
+    the global one, for your run) and, for an annealed copy, its ramp ``(first step, length)``."""
+
+    __slots__ = ("factor", "lost", "ramp", "replica", "rng", "scheduler")
+
+    def __init__(self, factor: float, replica: Replica, scheduler: LRScheduler | None,
+                 rng: dict[str, Any] | None, ramp: tuple[int, int] | None = None) -> None:
+        self.factor, self.replica, self.scheduler, self.rng, self.ramp = factor, replica, scheduler, rng, ramp
+        self.lost = False  # non-finite at a cut: no longer trained (only your run is kept so)
+        replica._values["lr"] = factor
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.replica.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.replica.optimizer
+
+    def copied(self, index: int, rng: dict[str, Any] | None, ramp: tuple[int, int] | None = None,
+               factor: float | None = None) -> _Fork:
+        """A deep copy of this fork's model, optimizer and scheduler (one copy: the optimizer holds
+        the copied model's parameters and the scheduler the copied optimizer)."""
+        model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler))
+        return _Fork(self.factor if factor is None else factor, Replica(index, model, opt), sched, rng, ramp)
+
+    def state(self, parent: int | None = None) -> dict[str, Any]:
+        return {"factor": self.factor, "lost": self.lost, "ramp": self.ramp, "rng": self.rng,
+                "parent": parent, "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.factor, self.lost, self.rng = float(state["factor"]), bool(state["lost"]), state["rng"]
+        self.ramp = None if state["ramp"] is None else (int(state["ramp"][0]), int(state["ramp"][1]))
+        self.replica._values["lr"] = self.factor
+
+
+_LOST = object()  # a fork that had no annealed copy (it was lost before the cut)
+
+
+def paired_gain(a: torch.Tensor, b: torch.Tensor) -> float:
+    """How many standard errors the losses ``a`` lie below ``b`` (``[U]`` each, paired unit by
+    unit): the mean of ``b - a`` over its standard error; ``inf`` when only ``a`` is finite
+    everywhere, ``-inf`` the other way round, 0 when they are equal everywhere."""
+    fa, fb = bool(torch.isfinite(a).all()), bool(torch.isfinite(b).all())
+    if not (fa and fb):
+        return math.inf if fa else -math.inf
+    d = (b - a).double()
+    se = float(d.std()) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+    mean = float(d.mean())
+    if se == 0.0:
+        return 0.0 if mean == 0.0 else math.copysign(math.inf, mean)
+    return mean / se
+
+
+def _ranked(scores: list[float], factors: list[float]) -> list[int]:
+    """Indices best first; ties go to the multiple nearer to 1 (your run)."""
+    return sorted(range(len(scores)), key=lambda i: (scores[i], abs(math.log(factors[i]))))
+
+
+def _forward_backward(f: _Fork, loss_fn: LossFn, batch: Any, scale: float, scaler: Any) -> torch.Tensor:
+    loss = loss_fn(f.replica, batch)
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        raise TypeError(f"loss_fn must return a scalar tensor (got {_checks.shown(loss)})")
+    out = loss * scale if scale != 1 else loss
+    if not out.requires_grad:
+        raise ConfigError([_checks.no_grad_problem(f.model, loss, f.replica.index)])
+    (scaler.scale(out) if scaler is not None else out).backward()
+    return loss.detach().reshape(())
+
+
+def _scalar_or_rows(v: Any) -> torch.Tensor:
+    if not torch.is_tensor(v) or v.dim() > 1:
+        raise TypeError(f"the probe's loss_fn must return a scalar or one loss per example (got "
+                        f"{_checks.shown(v)})")
+    return v.detach().reshape(-1)
+
+
+def _rows(batch: Any) -> int:
+    """The number of examples in ``batch``: the first dimension of its first tensor (1 if none)."""
+    for _, t in _leaves(batch, "batch"):
+        if t.dim() >= 1:
+            return int(t.shape[0])
+    return 1
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _rng_get(device: torch.device) -> dict[str, Any]:
+    """The global random streams a model on ``device`` draws from: the CPU's, and the device's."""
+    state: dict[str, Any] = {"cpu": torch.random.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _rng_set(state: dict[str, Any], device: torch.device) -> None:
+    torch.random.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+@torch.no_grad()
+def _average_buffers(model: torch.nn.Module, collective: Collective) -> None:
+    """A model's floating buffers (running statistics) <- their mean over the ranks."""
+    bufs = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
+    if bufs:
+        collective.all_reduce_sum_(bufs)
+        for b in bufs:
+            b.div_(collective.world_size)
+
+
+def _plain(v: Any) -> Any:
+    """Settings compared across a checkpoint: tuples and lists alike."""
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any, schedule: Any, probe: Any,
+                       loss_fn: Any, multiples: Any, cuts: Any, cool: Any, confidence: Any) -> list[str]:
+    problems = []
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        problems.append(f"optimizer must be a torch.optim.Optimizer built on the model's parameters, or a "
+                        f"factory model -> Optimizer (got {_checks.shown(optimizer)})")
+    else:
+        own = {id(p) for p in model.parameters()}
+        foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
+        if foreign:
+            problems.append(f"the optimizer holds {foreign} parameter(s) that are not the model's: build it "
+                            "on model.parameters()")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel) or any(
+            type(p).__name__ == "DTensor" for p in model.parameters()):
+        problems.append("Forks averages each fork's gradients over the ranks itself: pass the bare model, "
+                        "not one wrapped in DistributedDataParallel or sharded with FSDP")
+    if not isinstance(total_steps, Integral) or isinstance(total_steps, bool) or total_steps < 2:
+        problems.append(f"total_steps must be an integer >= 2, the run's length in optimizer steps "
+                        f"(got {total_steps!r})")
+    if isinstance(schedule, LRScheduler):
+        if schedule.optimizer is not optimizer:
+            problems.append("the schedule is built on another optimizer than the one given: build it on "
+                            "the optimizer you pass")
+    elif schedule is not None and not callable(schedule):
+        problems.append(f"schedule must be a torch LRScheduler, a function step -> factor, or None (got "
+                        f"{_checks.shown(schedule)})")
+    if not isinstance(probe, Iterable) or isinstance(probe, (str, bytes)):
+        problems.append(f"probe must be a list of held-out batches, e.g. probe=[(x_val, y_val)] (got "
+                        f"{_checks.shown(probe)})")
+    elif isinstance(probe, Sized) and len(probe) == 0:
+        problems.append("probe is empty: give at least one batch of held-out data")
+    elif not isinstance(probe, Sized):
+        problems.append(f"probe is a {type(probe).__name__}, which may not iterate twice: give a list of "
+                        "batches, or a DataLoader (it is read at every cut)")
+    else:
+        problems += _one_batch_problems(probe, "probe", "probe=[{batch}]")
+    if loss_fn is not None and not callable(loss_fn):
+        problems.append(f"loss_fn must be a function (replica, batch) -> loss, or None (got "
+                        f"{_checks.shown(loss_fn)})")
+    ms = list(multiples) if isinstance(multiples, (list, tuple)) else None
+    if not ms or not all(isinstance(m, Real) and not isinstance(m, bool) and 0 < m < math.inf for m in ms) \
+            or 1.0 not in ms or len(set(ms)) != len(ms):
+        problems.append(f"multiples must be distinct numbers > 0, one of them 1 (your run), e.g. "
+                        f"(0.1, 1, 10) (got {multiples!r})")
+    cs = list(cuts) if isinstance(cuts, (list, tuple)) else None
+    ok = cs is not None and all(isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[0], Real)
+                                and isinstance(c[1], Integral) and not isinstance(c[1], bool) for c in cs)
+    if not ok or any(not 0 < c[0] < 1 or c[1] < 2 for c in cs) or any(
+            a[0] >= b[0] or a[1] <= b[1] for a, b in itertools.pairwise(cs)):
+        problems.append(f"cuts must be (share of the run, forks kept) pairs, shares rising in (0, 1) and "
+                        f"counts falling, each at least 2, e.g. ((0.1, 3), (0.25, 2)) (got {cuts!r})")
+    elif ms and cs and cs[0][1] >= len(ms):
+        problems.append(f"the first cut keeps {cs[0][1]} of {len(ms)} forks: keep fewer than there are")
+    if not isinstance(cool, Real) or isinstance(cool, bool) or not 0 <= cool < 1:
+        problems.append(f"cool must be a share of the run in [0, 1) (got {cool!r})")
+    elif ok and cs and any(a[0] + cool >= b[0] for a, b in itertools.pairwise(cs)):
+        problems.append(f"cool={cool} overlaps the cuts {cuts!r}: a cut's annealed copies must be scored "
+                        "before the next cut starts; give cuts further apart or a smaller cool")
+    if not isinstance(confidence, Real) or isinstance(confidence, bool) or not 0 <= confidence < math.inf:
+        problems.append(f"confidence must be a number >= 0 (got {confidence!r})")
+    return problems

@@ -1,0 +1,541 @@
+"""Forks: the learning rate chosen between whole runs, by successive halving with a confident end.
+
+The run is forked at its start into whole runs at several multiples ``m`` of the learning rate
+(default ``0.1, 0.32, 1, 3.2, 10``), each a plain run of your model, optimizer and schedule on the
+same batches. The fork at ``m = 1`` is your run itself: your model, optimizer and scheduler, and
+the global random stream (dropout draws) as plain training would use it. Every other fork starts
+from copies of them and from a copy of the random stream as it was at the start, so all forks see
+the same batches and the same draws.
+
+At 10% of the run the forks are cut to 3, at 25% to 2 (your run and the best challenger), each
+cut scored on held-out batches (``probe``) at a copy of every fork annealed over the next 5% of
+the run (its lr multiple taken linearly to 0; the copies train alongside the forks on the same
+batches and are dropped once scored, so a cut is decided 5% of the run after it starts). Your run
+survives every cut. At the end of the run the challenger replaces your run only if it scores
+better on the probe by ``confidence`` (2) standard errors of the per-example difference of their
+losses, or if your run ended no better on the probe than the initial weights did (a lost run)
+while the challenger did. The winner's model, optimizer and scheduler state are then loaded into
+your objects: after the last step ``forks.model`` is your model holding the winner.
+
+Why this design, and what was measured against it, is in ``docs/method.md`` ("A confident end").
+It costs optimizer steps: 5 forks for the first 10% of the run, 3 to 25%, 2 to the end, and the
+annealed copies, about 3x plain training's steps with the default settings; it never averages
+weights, so the forks share nothing between steps but the batch.
+
+Under torch.distributed every rank holds every fork and trains it on its own part of the batch;
+each fork's gradients are averaged over the ranks (one all-reduce per step, in flat buckets per
+dtype), so fork ``f`` is data-parallel training over the ranks. Floating buffers (BatchNorm's
+running statistics) are averaged over the ranks before a fork is scored, and rank 0's decision is
+broadcast, so every rank keeps the same forks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from numbers import Real
+from typing import Any, Union
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+from hpx import _checks
+from hpx._buckets import dtype_groups
+from hpx._forks import (
+    _LOST,
+    _average_buffers,
+    _device,
+    _Fork,
+    _forward_backward,
+    _plain,
+    _ranked,
+    _rng_get,
+    _rng_set,
+    _rows,
+    _scalar_or_rows,
+    _settings_problems,
+    paired_gain,
+)
+from hpx._step import _split
+from hpx.backends import default_backend
+from hpx.backends.base import Collective
+from hpx.errors import ConfigError, NonFiniteError
+from hpx.replica import Replica
+from hpx.signals import LossFn
+from hpx.sync_record import SyncRecord
+
+__all__ = ["CONFIDENCE", "COOL", "CUTS", "MULTIPLES", "Forks"]
+
+log = logging.getLogger("hpx")
+
+MULTIPLES: tuple[float, ...] = tuple(10 ** (k / 2) for k in range(-2, 3))
+"""The default lr multiples of the forks: half a decade apart, from 10x below to 10x above."""
+CUTS: tuple[tuple[float, int], ...] = ((0.10, 3), (0.25, 2))
+"""The default cuts: ``(share of the run, forks kept)``; the last cut, to one, is at the run's end."""
+COOL = 0.05
+"""The default share of the run over which a cut's annealed copies train before they are scored."""
+CONFIDENCE = 2.0
+"""The default ``z``: standard errors by which a challenger must beat your run at the end."""
+
+_FORMAT = "hpx.forks/1"
+_SETTINGS = ("total_steps", "multiples", "cuts", "cool", "confidence")
+
+
+class Forks:
+    """A learning-rate search that trains whole runs at several multiples of your learning rate
+    and keeps yours unless another is better with confidence (see the module's docstring).
+
+    Args:
+        model: your model (the fork at ``m = 1``; the others are copies of it).
+        optimizer: your optimizer, built on ``model``'s parameters with the (peak) learning rates
+            you would have used (or a ``factory(model) -> Optimizer``).
+        total_steps: the run's length in optimizer steps: the cuts are placed on it and the
+            final decision is made after its last step.
+        schedule: the lr's shape: a torch ``LRScheduler`` built on ``optimizer`` (stepped by
+            hpx, once per optimizer step of each fork: do not step it yourself), or ``f(step) ->
+            factor`` (a ``LambdaLR``), or ``None`` (constant). Each fork trains at ``m`` times the
+            scheduler's learning rates; a momentum or beta1 cycle the scheduler writes is
+            followed as it is.
+        probe: held-out batches the forks are scored on at every cut (all of them, in eval mode):
+            a list, or anything that can be iterated again (a DataLoader), in the same order on
+            every rank.
+        loss_fn: ``loss_fn(replica, batch)`` for the probe; default: the loss given to
+            :meth:`step`. It may return the loss of every example (``reduction="none"``): the
+            final test pairs the two runs example by example, and otherwise evaluates the probe
+            one example at a time to get them.
+        multiples: the forks' lr multiples; ``1`` must be one of them (your run).
+        cuts: ``(share of the run, forks kept)`` pairs, shares rising in ``(0, 1)``, counts falling
+            and at least 2 (the final cut to one is at the run's end).
+        cool: the share of the run over which each cut's annealed copies train before they are
+            scored (``0``: score the forks as they are, at the cut).
+        confidence: ``z``: the challenger replaces your run only if it wins by ``z`` standard
+            errors (``0``: whichever scores better).
+        backend: the :class:`~hpx.backends.Collective` (default: this process alone); with
+            ``hpx.backends.TorchDistributed()`` each fork is data-parallel over the ranks.
+        on_sync: a function (or a list of them) called with the :class:`~hpx.SyncRecord` of each
+            decision, on every rank (e.g. ``hpx.TensorBoard(...)``).
+
+    Attributes:
+        history: a :class:`~hpx.SyncRecord` per decision (``phase`` ``"cut"`` or ``"end"``;
+            ``values["lr"]`` the multiples scored, ``scores`` their probe losses, ``bases["lr"]``
+            the multiple the run trains at after it).
+        step_count: optimizer steps taken.
+
+    Example::
+
+        forks = hpx.Forks(model, torch.optim.AdamW(model.parameters(), lr=3e-4),
+                          total_steps=len(loader), schedule=scheduler, probe=val_batches)
+        for x, y in loader:
+            forks.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
+        model = forks.converge()  # your model, holding the winner
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: Union[torch.optim.Optimizer, Callable[[torch.nn.Module], torch.optim.Optimizer]],
+        *,
+        total_steps: int,
+        probe: Iterable[Any],
+        schedule: Callable[[int], float] | LRScheduler | None = None,
+        loss_fn: LossFn | None = None,
+        multiples: Sequence[float] = MULTIPLES,
+        cuts: Sequence[tuple[float, int]] = CUTS,
+        cool: float = COOL,
+        confidence: float = CONFIDENCE,
+        backend: Collective | None = None,
+        on_sync: Callable[[SyncRecord], Any] | Sequence[Callable[[SyncRecord], Any]] = (),
+    ) -> None:
+        self._t0 = time.perf_counter()
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError([f"model must be a torch.nn.Module (got {_checks.shown(model)}): pass the "
+                               "model first, then its optimizer"])
+        if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+            optimizer = optimizer(model)
+        callbacks = list(on_sync) if isinstance(on_sync, Sequence) else [on_sync]
+        problems = _settings_problems(model, optimizer, total_steps, schedule, probe, loss_fn, multiples,
+                                      cuts, cool, confidence) + _checks.backend_problems(backend)
+        problems += [f"on_sync must be a function record -> None, or a list of them (got {on_sync!r})"
+                     for _ in callbacks[:1] if not all(callable(c) for c in callbacks)]
+        ConfigError.check(problems)
+        assert isinstance(optimizer, torch.optim.Optimizer)
+        self.collective: Collective = backend if backend is not None else default_backend()
+        self.total_steps = int(total_steps)
+        self.multiples = tuple(float(m) for m in multiples)
+        self.cuts = tuple((float(s), int(k)) for s, k in cuts)
+        self.cool, self.confidence = float(cool), float(confidence)
+        self._probe = probe
+        self._probe_fn = loss_fn
+        self._on_sync = callbacks
+        if schedule is not None and not isinstance(schedule, LRScheduler):
+            schedule = LambdaLR(optimizer, schedule)
+        if self.collective.world_size > 1:  # every rank starts from rank 0's weights
+            with torch.no_grad():
+                for t in [*model.parameters(), *model.buffers()]:
+                    self.collective.broadcast_(t.data, 0)
+        start = _Fork(1.0, Replica(0, model, optimizer), schedule, None)
+        # every other fork starts from a copy of your run and of the random stream as it is now
+        rng = _rng_get(_device(model))
+        order = [1.0] + [m for m in self.multiples if m != 1.0]
+        self._forks: list[_Fork] = [start, *(start.copied(i, rng, factor=m)
+                                             for i, m in enumerate(order) if i)]
+        self._clones: list[_Fork] = []  # a cut's annealed copies, one per fork, while they train
+        self._parents: list[int] = []  # ... and the fork each was copied from
+        self._plan = {max(1, round(share * self.total_steps)): keep for share, keep in self.cuts}
+        self._plan = {s: k for s, k in self._plan.items() if s < self.total_steps}
+        self._decide_at: tuple[int, int] | None = None  # (step, keep) of the cut in progress
+        self._initial: float | None = None  # the probe loss of the initial weights
+        self.factor = 1.0  # the lr multiple your run trains at: the winner's after the end
+        self.decided = False
+        self.step_count = 0
+        self._fresh = True  # no backward yet in this optimizer step
+        self._warned = False
+        self.history: list[SyncRecord] = []
+
+    # --- the training step ------------------------------------------------------------------
+
+    def step(self, loss_fn: LossFn, batch: Any) -> torch.Tensor:
+        """One optimizer step of every fork on the whole ``batch``: :meth:`backward`, then
+        :meth:`optimizer_step`. Returns the forks' losses (``[F]``, on device, in
+        :attr:`factors` order: your run's first)."""
+        losses = self.backward(loss_fn, batch)
+        self.optimizer_step()
+        return losses
+
+    def backward(self, loss_fn: LossFn, batch: Any, *, scale: float = 1.0,
+                 scaler: Any = None) -> torch.Tensor:
+        """Forward and backward of every fork on the whole ``batch``, each in its own random
+        stream; gradients add up until :meth:`optimizer_step` (call once per micro-batch to
+        accumulate, with ``scale = 1 / k``; ``scaler``: a ``torch.amp.GradScaler``). Returns the
+        forks' unscaled losses, as :meth:`step` (``nan`` for your run once it is lost: no longer
+        trained)."""
+        _checks.check(_checks.loss_fn_problems(loss_fn, batch) + _checks.scale_problems(scale, scaler)
+                      + _checks.batch_problems(batch, None))
+        if self._probe_fn is None:
+            self._probe_fn = loss_fn
+        if self._initial is None and not self.decided:  # before the first step: the initial weights
+            self._initial = self._score(self._forks[0])
+        trained = self._trained()
+        if self._fresh:
+            for f in trained:
+                f.optimizer.zero_grad(set_to_none=True)
+            self._fresh = False
+        losses = {}
+        for f in trained:
+            losses[id(f)] = self._in_stream(f, lambda f=f: _forward_backward(f, loss_fn, batch, scale,
+                                                                             scaler))
+        lost = torch.tensor(math.nan, device=_device(self._forks[0].model))
+        return torch.stack([losses.get(id(f), lost) for f in self._forks])
+
+    def optimizer_step(self, *, max_grad_norm: float | None = None,
+                       scaler: Any = None) -> torch.Tensor | None:
+        """Step every fork's optimizer on its accumulated gradients (averaged over the ranks
+        first), at its multiple of its scheduler's learning rates, then its scheduler; then count
+        the step, and cut or decide when it is due. ``max_grad_norm`` clips each fork's gradient
+        norm as ``torch.nn.utils.clip_grad_norm_``; returns the forks' norms before clipping
+        (``[F]``) then, else ``None``."""
+        if self._fresh:
+            raise ConfigError(["optimizer_step() found no gradients: call forks.backward(loss_fn, batch) "
+                               "first (once per micro-batch)"])
+        problems = _checks.scaler_problems(scaler)
+        if max_grad_norm is not None and not (isinstance(max_grad_norm, Real)
+                                              and not isinstance(max_grad_norm, bool) and max_grad_norm > 0):
+            problems.append(f"max_grad_norm must be a number > 0 or None (got {max_grad_norm!r})")
+        ConfigError.check(problems)
+        trained = self._trained()
+        self._reduce(trained)
+        if scaler is not None:
+            for f in trained:
+                scaler.unscale_(f.optimizer)
+        norms = None
+        if max_grad_norm is not None:
+            norms = torch.stack([torch.nn.utils.clip_grad_norm_(f.model.parameters(), float(max_grad_norm))
+                                 for f in trained if f.ramp is None])
+        for f in trained:
+            self._step_one(f, scaler)
+        if scaler is not None:
+            scaler.update()
+        self._advance()
+        return norms
+
+    def _trained(self) -> list[_Fork]:
+        return [f for f in self._forks if not f.lost] + self._clones
+
+    def _in_stream(self, f: _Fork, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``fn()`` with the global random stream set to fork ``f``'s (yours: left as it is)."""
+        if f.rng is None:
+            return fn()
+        dev = _device(f.model)
+        keep = _rng_get(dev)
+        _rng_set(f.rng, dev)
+        try:
+            return fn()
+        finally:
+            f.rng = _rng_get(dev)
+            _rng_set(keep, dev)
+
+    @torch.no_grad()
+    def _reduce(self, trained: list[_Fork]) -> None:
+        """Every fork's gradient <- its mean over the ranks (one all-reduce per dtype group)."""
+        world = self.collective.world_size
+        if world == 1:
+            return
+        grads = [p.grad for f in trained for p in f.model.parameters() if p.grad is not None]
+        for idx in dtype_groups(grads, skip_empty=True).values():
+            flat = torch.cat([grads[i].reshape(-1) for i in idx])
+            self.collective.all_reduce_sum_([flat])
+            flat.div_(world)
+            for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
+                grads[i].copy_(part.view_as(grads[i]))
+
+    def _step_one(self, f: _Fork, scaler: Any) -> None:
+        m = f.factor
+        if f.ramp is not None:  # an annealed copy: the multiple falls linearly to 0 over its ramp
+            first, k = f.ramp
+            m *= (k - (self.step_count - first)) / (k + 1)
+        groups = f.optimizer.param_groups
+        lrs = [g["lr"] for g in groups]
+        if m != 1.0:
+            for g in groups:
+                g["lr"] = g["lr"] * m
+        try:
+            if scaler is not None:
+                scaler.step(f.optimizer)
+            else:
+                f.optimizer.step()
+        finally:
+            if m != 1.0:  # the scheduler sees its own learning rates
+                for g, lr in zip(groups, lrs):
+                    g["lr"] = lr
+        if f.scheduler is not None:
+            if f.scheduler._step_count == 1:  # a copy's optimizer step is not wrapped by torch's
+                with warnings.catch_warnings():  # order check, which would warn once per copy
+                    warnings.filterwarnings("ignore", message=r"Seems like `optimizer\.step\(\)`")
+                    f.scheduler.step()
+            else:
+                f.scheduler.step()
+
+    def _advance(self) -> None:
+        self._fresh = True
+        self.step_count += 1
+        s = self.step_count
+        if s == self.total_steps + 1 and not self._warned:
+            self._warned = True
+            log.warning("step %d is past total_steps=%d: the forks were decided at the run's end; "
+                        "training goes on at the winner's multiple %.4g", s, self.total_steps, self.factor)
+        keep = self._plan.get(s)
+        if keep is not None and keep < len(self._forks):
+            k = min(max(1, round(self.cool * self.total_steps)), self.total_steps - s) if self.cool > 0 else 0
+            if k > 0:  # anneal a copy of every fork over the next k steps, then decide on them
+                dev = _device(self._forks[0].model)
+                self._clones = [f.copied(len(self._forks) + i, _rng_get(dev) if f.rng is None else f.rng,
+                                         ramp=(s, k)) for i, f in enumerate(self._forks) if not f.lost]
+                self._parents = [i for i, f in enumerate(self._forks) if not f.lost]
+                self._decide_at = (s + k, keep)
+            else:
+                self._cut(keep, self._forks)
+        if self._decide_at is not None and self._decide_at[0] == s:
+            scored = [_LOST] * len(self._forks)
+            for i, c in zip(self._parents, self._clones):
+                scored[i] = c
+            keep = self._decide_at[1]
+            self._clones, self._parents, self._decide_at = [], [], None
+            self._cut(keep, scored)
+        if s == self.total_steps and not self.decided:
+            self._finish()
+
+    # --- the decisions ----------------------------------------------------------------------
+
+    def _cut(self, keep: int, scored: list[Any]) -> None:
+        """Keep the ``keep`` forks whose ``scored`` stand-ins (themselves or annealed copies) score
+        best on the probe (ties: the nearer to your run), your run always among them."""
+        scores = [math.inf if c is _LOST else self._score(c) for c in scored]
+        order = self._agreed(_ranked(scores, [f.factor for f in self._forks])[:keep])
+        if 0 not in order:
+            order = [*order[: keep - 1], 0]
+        order = [i for i in order if i == 0 or math.isfinite(scores[i])]  # a blown-up challenger goes
+        if not math.isfinite(scores[0]):
+            self._forks[0].lost = True  # kept for the final comparison, no longer trained
+        self._record("cut", scores, sorted(order))
+        self._forks = [self._forks[i] for i in sorted(order)]
+
+    def _finish(self) -> None:
+        """The end of the run: your run, or the best challenger if it wins with confidence (or your
+        run was lost and it was not); the winner is loaded into your objects."""
+        scores = [self._score(f) for f in self._forks]
+        if not any(math.isfinite(s) for s in scores):
+            raise NonFiniteError(f"at step {self.step_count} every fork's weights or probe loss are "
+                                 f"non-finite (multiples {[f.factor for f in self._forks]}): lower the "
+                                 "learning rate, or check the data and the probe for NaN/inf")
+        best = _ranked(scores, [f.factor for f in self._forks])[0]
+        gain = math.nan
+        if best != 0 and math.isfinite(scores[0]):
+            initial = self._initial if self._initial is not None else math.nan
+            lost = scores[0] >= initial > scores[best]  # False when the initial score is unknown
+            if not lost and self.confidence > 0:
+                gain = self._gain(self._forks[best], self._forks[0])
+                if gain < self.confidence:
+                    best = 0
+        best = self._agreed([best])[0]
+        self._record("end", scores, [best], gain)
+        self._adopt(best)
+
+    def _adopt(self, i: int) -> None:
+        start = self._forks[0]
+        if i != 0:
+            winner = self._forks[i]
+            start.model.load_state_dict(winner.model.state_dict())
+            start.optimizer.load_state_dict(winner.optimizer.state_dict())
+            if start.scheduler is not None:
+                start.scheduler.load_state_dict(winner.scheduler.state_dict())
+            start.factor, start.lost = winner.factor, False
+            start.replica._values["lr"] = winner.factor
+        self._forks = [start]
+        self.factor, self.decided = start.factor, True
+
+    def _agreed(self, order: list[int]) -> list[int]:
+        """Rank 0's decision on every rank (they score the same weights, but a decision must be one)."""
+        if self.collective.world_size == 1:
+            return order
+        return list(self.collective.broadcast_object(order, 0))  # type: ignore[call-overload]
+
+    def _record(self, phase: str, scores: list[float], kept: list[int], gain: float = math.nan) -> None:
+        factors = [f.factor for f in self._forks]
+        lrs = [[g["lr"] * f.factor for g in f.optimizer.param_groups] for f in self._forks]
+        rec = SyncRecord(step=self.step_count, bases={"lr": factors[kept[0]] if phase == "end" else 1.0},
+                         values={"lr": factors}, scores=[s if math.isfinite(s) else math.nan for s in scores],
+                         phase=phase, searched=True, wall=time.perf_counter() - self._t0,
+                         lr=[next((v for v in row if v), row[0]) for row in lrs], lr_factor="lr",
+                         metrics=None if math.isnan(gain) else {"gain": gain})
+        self.history.append(rec)
+        kept_m = ", ".join(f"{factors[i]:.3g}" for i in kept)
+        log.info("forks at step %d (%s): multiples %s scored %s; kept %s%s", self.step_count, phase,
+                 [round(m, 3) for m in factors], [round(s, 4) for s in scores], kept_m,
+                 "" if math.isnan(gain) else f" (the challenger's gain: {gain:.2f} standard errors)")
+        for callback in self._on_sync:
+            callback(rec)
+
+    # --- the probe ---------------------------------------------------------------------------
+
+    def _probe_losses(self, f: _Fork, units: bool) -> list[torch.Tensor]:
+        """Fork ``f``'s probe loss per batch (a scalar) or per example, in eval mode, without
+        touching the global random stream; per example for every batch with ``units``."""
+        fn = self._probe_fn
+        assert fn is not None
+        model = f.model
+        dev = _device(model)
+        if self.collective.world_size > 1:
+            _average_buffers(model, self.collective)
+        keep, was = _rng_get(dev), model.training
+        model.eval()
+        out = []
+        try:
+            with torch.no_grad():
+                for b in self._probe:
+                    v = _scalar_or_rows(fn(f.replica, b))
+                    rows = _rows(b)
+                    if units and v.numel() == 1 and rows > 1:  # one example at a time
+                        v = torch.stack([_scalar_or_rows(fn(f.replica, r)).reshape(())
+                                         for r in _split(b, rows)])
+                    out.append(v.detach().to("cpu", torch.float64))
+        finally:
+            model.train(was)
+            _rng_set(keep, dev)
+        return out
+
+    def _score(self, f: _Fork) -> float:
+        """The probe loss: the mean over examples (a loss that gives them) or over batches."""
+        parts = self._probe_losses(f, units=False)
+        if not parts:
+            raise ConfigError(["the probe yielded no batches: give a list of held-out batches (an "
+                               "exhausted generator cannot be iterated again)"])
+        if any(p.numel() > 1 for p in parts):  # losses per example
+            flat = torch.cat([p.reshape(-1) for p in parts])
+        else:
+            flat = torch.stack([p.reshape(()) for p in parts])
+        v = float(flat.mean())
+        return v if math.isfinite(v) else math.inf
+
+    def _gain(self, a: _Fork, b: _Fork) -> float:
+        """How many standard errors ``a`` scores below ``b`` on the probe, example by example."""
+        la = torch.cat([p.reshape(-1) for p in self._probe_losses(a, units=True)])
+        lb = torch.cat([p.reshape(-1) for p in self._probe_losses(b, units=True)])
+        return paired_gain(la, lb)
+
+    # --- inspection and the end ---------------------------------------------------------------
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """Your model: your run until the end, then holding the winner."""
+        return self._forks[0].model
+
+    @property
+    def factors(self) -> list[float]:
+        """The lr multiples of the forks being trained, your run's first."""
+        return [f.factor for f in self._forks]
+
+    @property
+    def bases(self) -> dict[str, float]:
+        """``{"lr": the multiple your run trains at}``: 1 until the end, then the winner's."""
+        return {"lr": self.factor}
+
+    def converge(self) -> torch.nn.Module:
+        """Decide now if the run's end has not decided yet (a loop shorter than ``total_steps``),
+        and return your model, holding the winner. Under torch.distributed every rank calls it."""
+        if not self.decided:
+            self._clones, self._parents, self._decide_at = [], [], None
+            self._finish()
+        return self.model
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every fork's model, optimizer, scheduler and random stream, the annealed copies in
+        flight, and the search's own state (it holds references to live tensors, as
+        ``Module.state_dict``: save it with ``torch.save``). The global random stream is not in
+        it: save it beside it to resume bit for bit."""
+        return {"format": _FORMAT, **{k: getattr(self, k) for k in _SETTINGS},
+                "step": self.step_count, "factor": self.factor, "decided": self.decided,
+                "initial": self._initial, "decide_at": self._decide_at,
+                "forks": [f.state() for f in self._forks],
+                "clones": [c.state(p) for c, p in zip(self._clones, self._parents)],
+                "history": [dataclasses.asdict(r) for r in self.history]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` into a ``Forks`` built with the same settings on the same
+        model, optimizer and schedule (checked first: a refused state changes nothing)."""
+        if not isinstance(state, dict) or state.get("format") != _FORMAT:
+            got = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ConfigError([f"not a Forks state (format {got!r}, expected {_FORMAT!r}): give what "
+                               "Forks.state_dict() returned"])
+        odd = [f"{k}={state.get(k)!r} (this run has {getattr(self, k)!r})" for k in _SETTINGS
+               if _plain(state.get(k)) != _plain(getattr(self, k))]
+        if odd:
+            raise ConfigError([f"the saved run was built with other settings: {'; '.join(odd)}; build Forks "
+                               "with the saved run's settings to resume it"])
+        start = self._forks[0]
+        start.load(state["forks"][0])
+        forks = [start] + [start.copied(i, None) for i in range(1, len(state["forks"]))]
+        for f, s in zip(forks[1:], state["forks"][1:]):
+            f.load(s)
+        clones = [start.copied(len(forks) + i, None) for i in range(len(state["clones"]))]
+        for c, s in zip(clones, state["clones"]):
+            c.load(s)
+        self._forks, self._clones = forks, clones
+        self._parents = [int(s["parent"]) for s in state["clones"]]
+        self.step_count, self.factor = int(state["step"]), float(state["factor"])
+        self.decided = bool(state["decided"])
+        self._initial = state["initial"]
+        self._decide_at = None if state["decide_at"] is None else (int(state["decide_at"][0]),
+                                                                   int(state["decide_at"][1]))
+        self.history = [SyncRecord(**r) for r in state["history"]]
+        self._fresh = True
+
+    def __repr__(self) -> str:
+        shown = [round(m, 3) for m in self.factors]
+        return (f"Forks(step={self.step_count}/{self.total_steps}, multiples={shown}, "
+                f"factor={self.factor:.4g}, decided={self.decided})")
+
+

@@ -1,0 +1,406 @@
+"""hpx.Forks: whole runs at several lr multiples, cut by successive halving, your run kept unless a
+challenger wins with confidence. Every test compares with plain training written out by hand."""
+
+from __future__ import annotations
+
+import copy
+import io
+import logging
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hpx
+from hpx._forks import paired_gain
+from hpx.backends import TorchDistributed
+from tests._dist import run_distributed
+
+STEPS = 30
+
+
+def _data(seed: int = 0, n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.randn(8, 1, generator=g)
+    return x, (x @ w).squeeze(-1) + 0.1 * torch.randn(n, generator=g)
+
+
+X, Y = _data()
+BATCHES = [(X[(16 * i) % 384:(16 * i) % 384 + 16], Y[(16 * i) % 384:(16 * i) % 384 + 16]) for i in range(60)]
+PROBE = [(X[384:448], Y[384:448]), (X[448:512], Y[448:512])]
+
+
+def _net(seed: int = 0, p: float = 0.2) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(p), nn.Linear(32, 1))
+
+
+def _loss(rep, b):
+    return F.mse_loss(rep.model(b[0]).squeeze(-1), b[1])
+
+
+def _per_example(rep, b):
+    return F.mse_loss(rep.model(b[0]).squeeze(-1), b[1], reduction="none")
+
+
+class _Rep:
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+
+def _plain(model, opt, sched, batches, clip: float | None = None):
+    """The user's loop, as plain training runs it."""
+    for b in batches:
+        loss = _loss(_Rep(model), b)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return model
+
+
+@torch.no_grad()
+def _probe_loss(model: nn.Module) -> float:
+    was = model.training
+    model.eval()
+    v = sum(float(_loss(_Rep(model), b)) for b in PROBE) / len(PROBE)
+    model.train(was)
+    return v
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def _adamw_onecycle(model: nn.Module, lr: float):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=STEPS + 1)
+
+
+def test_your_run_is_plain_training_bit_for_bit_when_it_is_kept():
+    """Your model, optimizer, OneCycle scheduler (and its beta1 cycle) and the global random stream
+    end exactly as plain training leaves them, though four other forks trained, two cuts scored
+    annealed copies and the end ran the paired test."""
+    model = _net()
+    opt, sched = _adamw_onecycle(model, 0.01)
+    torch.manual_seed(7)
+    forks = hpx.Forks(model, opt, total_steps=STEPS, schedule=sched, probe=PROBE, confidence=1e9)
+    for b in BATCHES[:STEPS]:
+        forks.step(_loss, b)
+    rng = torch.random.get_rng_state()
+
+    ref = _net()
+    ref_opt, ref_sched = _adamw_onecycle(ref, 0.01)
+    torch.manual_seed(7)
+    _plain(ref, ref_opt, ref_sched, BATCHES[:STEPS])
+
+    assert [r.phase for r in forks.history] == ["cut", "cut", "end"]
+    assert forks.factor == 1.0 and forks.model is model
+    assert _same(model, ref)
+    assert torch.equal(rng, torch.random.get_rng_state())
+    assert sched.last_epoch == ref_sched.last_epoch
+    assert opt.param_groups[0]["betas"] == ref_opt.param_groups[0]["betas"]
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert all(torch.equal(got[k]["exp_avg"], want[k]["exp_avg"]) for k in want)
+
+
+def test_a_winner_is_plain_training_at_its_multiple_loaded_into_your_objects():
+    """With confidence 0 the better-scoring fork wins; your model and optimizer then hold exactly
+    what plain training at that multiple of the lr, from the same random stream, ends with."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9)
+    torch.manual_seed(3)
+    forks = hpx.Forks(model, opt, total_steps=40, probe=PROBE, multiples=(0.1, 1.0), cuts=(), confidence=0)
+    for b in BATCHES[:40]:
+        forks.step(_loss, b)
+    runs = {}
+    for m in (0.1, 1.0):
+        ref = _net()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.03 * m, momentum=0.9)
+        torch.manual_seed(3)
+        runs[m] = (_plain(ref, ref_opt, None, BATCHES[:40]), ref_opt)
+    best = min(runs, key=lambda m: _probe_loss(runs[m][0]))
+    assert best == 0.1  # the scenario: 10x lower is better, so the winner is adopted
+    assert forks.factor == best and forks.bases == {"lr": best}
+    assert forks.history[-1].bases == {"lr": best}
+    assert forks.model is model and _same(model, runs[best][0])
+    got, want = opt.state_dict()["state"], runs[best][1].state_dict()["state"]
+    assert all(torch.equal(got[k]["momentum_buffer"], want[k]["momentum_buffer"]) for k in want)
+    assert opt.param_groups[0]["lr"] == 0.03  # the schedule's own lr; the multiple is forks.factor
+    assert forks.factors == [best]
+
+
+def test_the_confidence_test_keeps_your_run_when_the_probe_cannot_tell():
+    """Same scenario, confidence 1e9: the challenger scores better but cannot win by a billion
+    standard errors, so your run stays and equals plain training at your lr."""
+    model = _net()
+    torch.manual_seed(3)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9), total_steps=40,
+                      probe=PROBE, multiples=(0.1, 1.0), cuts=(), confidence=1e9)
+    for b in BATCHES[:40]:
+        forks.step(_loss, b)
+    end = forks.history[-1]
+    assert end.scores[1] < end.scores[0]  # the challenger (0.1) scored better ...
+    assert 0 < end.metrics["gain"] < 1e9  # ... by a finite number of standard errors
+    ref = _net()
+    torch.manual_seed(3)
+    _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.03, momentum=0.9), None, BATCHES[:40])
+    assert forks.factor == 1.0 and _same(model, ref)
+
+
+def test_a_lost_run_gives_way_without_the_test():
+    """A start that ends worse on the probe than the initial weights (SGD past its stability limit
+    on a linear regression: the weight oscillates and grows, finite) is lost: the challenger that
+    ended better than the initial weights wins, whatever the confidence asked for."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=1.2), total_steps=20, probe=PROBE,
+                      multiples=(0.1, 1.0), cuts=(), confidence=1e9)
+    initial = _probe_loss(model)
+    for b in BATCHES[:20]:
+        forks.step(_loss, b)
+    start, challenger = forks.history[-1].scores
+    assert math.isfinite(start) and start > initial > challenger
+    assert forks.factor == 0.1
+    assert forks.history[-1].metrics is None  # no test was run
+
+
+def test_every_fork_non_finite_is_an_error_naming_the_multiples():
+    model = nn.Linear(8, 1)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=1e6), total_steps=10, probe=PROBE,
+                      multiples=(0.1, 1.0), cuts=())
+    with pytest.raises(hpx.NonFiniteError, match=r"multiples \[1.0, 0.1\]"):
+        for b in BATCHES[:10]:
+            forks.step(_loss, b)
+
+
+def test_cuts_keep_the_best_scoring_forks_and_your_run():
+    """Five forks over 40 steps: a cut at step 4 decided at step 6 on annealed copies keeps 3, one at
+    step 10 decided at 12 keeps 2, the end keeps 1; each cut keeps the best scores (ties to the
+    multiple nearer 1) and your run whatever it scored."""
+    model = _net(p=0.0)
+    counts = []
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), total_steps=40,
+                      probe=PROBE, on_sync=lambda rec: counts.append((rec.step, rec.phase)))
+    alive = []
+    for b in BATCHES[:40]:
+        forks.step(_loss, b)
+        alive.append(len(forks.factors))
+    assert alive[:5] == [5] * 5 and alive[5:11] == [3] * 6 and alive[11:39] == [2] * 28 and alive[39] == 1
+    assert counts == [(6, "cut"), (12, "cut"), (40, "end")]
+    for rec, keep, after in zip(forks.history[:2], (3, 2), (forks.history[1], forks.history[2])):
+        factors, scores = rec.values["lr"], rec.scores
+        ranked = sorted(range(len(scores)), key=lambda i: (scores[i], abs(math.log(factors[i]))))
+        kept = ranked[:keep] if 0 in ranked[:keep] else [*ranked[:keep - 1], 0]
+        assert sorted(after.values["lr"]) == sorted(factors[i] for i in kept)
+
+
+def test_a_cut_scores_a_copy_annealed_over_the_next_steps():
+    """The score of your run at a cut is the probe loss of a copy of it trained on the next k
+    batches with its lr multiple falling as (k - j) / (k + 1), j = 0..k-1."""
+    model = _net(p=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, multiples=(0.1, 1.0, 10.0),
+                      cuts=((0.5, 2),), cool=0.15)
+    for b in BATCHES[:13]:
+        forks.step(_loss, b)
+    assert forks.history[0].step == 13  # cut at 10, k = 3 steps of annealing
+    ref = _net(p=0.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    _plain(ref, ref_opt, None, BATCHES[:10])
+    for j, b in enumerate(BATCHES[10:13]):
+        for g in ref_opt.param_groups:
+            g["lr"] = 0.05 * (3 - j) / 4
+        _plain(ref, ref_opt, None, [b])
+    assert forks.history[0].values["lr"][0] == 1.0
+    assert forks.history[0].scores[0] == pytest.approx(_probe_loss(ref), rel=1e-6)
+
+
+def test_resume_mid_cut_is_bit_for_bit(tmp_path):
+    """A state saved while a cut's annealed copies train (with dropout: every fork's random stream),
+    loaded into a fresh Forks on a fresh model, continues exactly as the uninterrupted run."""
+    def build():
+        model = _net()
+        opt, sched = _adamw_onecycle(model, 0.01)
+        return model, hpx.Forks(model, opt, total_steps=STEPS, schedule=sched, probe=PROBE)
+
+    torch.manual_seed(5)
+    model, forks = build()
+    for b in BATCHES[:4]:
+        forks.step(_loss, b)
+    assert len(forks._clones) == 5  # the first cut's copies are in flight
+    buf = io.BytesIO()
+    torch.save({"forks": forks.state_dict(), "rng": torch.random.get_rng_state()}, buf)
+    for b in BATCHES[4:STEPS]:
+        forks.step(_loss, b)
+
+    model2, forks2 = build()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    forks2.load_state_dict(saved["forks"])
+    torch.random.set_rng_state(saved["rng"])
+    for b in BATCHES[4:STEPS]:
+        forks2.step(_loss, b)
+    assert _same(model, model2) and forks.factor == forks2.factor
+    assert [(r.step, r.values, r.scores, r.bases) for r in forks.history] == \
+        [(r.step, r.values, r.scores, r.bases) for r in forks2.history]
+
+
+def test_a_state_from_other_settings_is_refused_and_changes_nothing():
+    model = _net()
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE)
+    state = copy.deepcopy(forks.state_dict())
+    other_model = _net(seed=1)
+    other = hpx.Forks(other_model, torch.optim.SGD(other_model.parameters(), lr=0.05), total_steps=30,
+                      probe=PROBE)
+    before = copy.deepcopy(other_model.state_dict())
+    with pytest.raises(hpx.ConfigError, match=r"total_steps=20 \(this run has 30\)"):
+        other.load_state_dict(state)
+    with pytest.raises(hpx.ConfigError, match="not a Forks state"):
+        other.load_state_dict({"format": "hpx/1"})
+    assert all(torch.equal(a, b) for a, b in zip(before.values(), other_model.state_dict().values()))
+
+
+def test_per_example_losses_give_the_same_test_as_one_example_at_a_time():
+    """A probe loss that returns every example's loss, and one that returns the batch mean (hpx then
+    scores one example at a time), give the same scores and the same paired test."""
+    gains = []
+    for fn in (_loss, _per_example):
+        model = _net()
+        torch.manual_seed(3)
+        forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9), total_steps=40,
+                          probe=PROBE, loss_fn=fn, multiples=(0.1, 1.0), cuts=(), confidence=1e9)
+        for b in BATCHES[:40]:
+            forks.step(_loss, b)
+        gains.append((forks.history[-1].scores, forks.history[-1].metrics["gain"]))
+    assert gains[0][0] == pytest.approx(gains[1][0], rel=1e-6)
+    assert gains[0][1] == pytest.approx(gains[1][1], rel=1e-5)
+
+
+def test_paired_gain():
+    b = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    a = b - torch.tensor([0.5, 1.5, 0.5, 1.5])  # differences: mean 1, std 0.5774
+    assert paired_gain(a, b) == pytest.approx(1.0 / (0.5773502691896258 / 2.0))
+    assert paired_gain(b, a) == pytest.approx(-1.0 / (0.5773502691896258 / 2.0))
+    assert paired_gain(b - 1, b) == math.inf and paired_gain(b, b) == 0.0
+    assert paired_gain(b, torch.tensor([1.0, math.nan, 3.0, 4.0])) == math.inf
+    assert paired_gain(torch.tensor([math.inf, 1.0, 1.0, 1.0]), b) == -math.inf
+
+
+def test_accumulation_and_clipping_follow_plain_training():
+    """Two half batches at scale 1/2 make the whole batch's step; max_grad_norm clips each fork as
+    clip_grad_norm_ does and returns the forks' norms, your run's first."""
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE,
+                      multiples=(0.1, 1.0), cuts=())
+    ref = _net(p=0.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for b in BATCHES[:5]:
+        for part in zip(*(t.chunk(2) for t in b)):
+            forks.backward(_loss, part, scale=0.5)
+        norms = forks.optimizer_step(max_grad_norm=0.5)
+        ref_opt.zero_grad()
+        _loss(_Rep(ref), b).backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        assert norms.shape == (2,) and float(norms[0]) == pytest.approx(float(want), rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters()))
+    with pytest.raises(hpx.ConfigError, match="found no gradients"):
+        forks.optimizer_step()
+
+
+def test_a_grad_scaler_is_followed_per_fork():
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE,
+                      multiples=(0.1, 1.0), cuts=())
+    ref = _net(p=0.0)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for b in BATCHES[:5]:
+        forks.backward(_loss, b, scaler=scaler)
+        forks.optimizer_step(scaler=scaler)
+        _plain(ref, ref_opt, None, [b])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+def test_converge_before_the_end_decides_and_steps_past_it_warn_once(caplog):
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9), total_steps=40,
+                      probe=PROBE, multiples=(0.1, 1.0), cuts=(), confidence=0)
+    for b in BATCHES[:30]:
+        forks.step(_loss, b)
+    assert not forks.decided
+    assert forks.converge() is model and forks.decided and len(forks.factors) == 1
+    assert [r.step for r in forks.history] == [30]
+    with caplog.at_level(logging.WARNING, logger="hpx"):
+        for b in BATCHES[30:45]:
+            losses = forks.step(_loss, b)
+    assert losses.shape == (1,)
+    assert len([r for r in caplog.records if "past total_steps=40" in r.getMessage()]) == 1
+    assert forks.step_count == 45
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"multiples": (0.1, 10.0)}, r"one of them 1 \(your run\)"),
+    ({"multiples": (1.0, 1.0, 3.0)}, "multiples must be distinct"),
+    ({"cuts": ((0.5, 2), (0.2, 3))}, "shares rising"),
+    ({"cuts": ((0.1, 5),)}, "keeps 5 of 5 forks"),
+    ({"cool": 0.2}, r"cool=0.2 overlaps the cuts"),
+    ({"confidence": -1}, "confidence must be a number >= 0"),
+    ({"total_steps": 1}, "total_steps must be an integer >= 2"),
+    ({"probe": (b for b in PROBE)}, "may not iterate twice"),
+    ({"probe": []}, "probe is empty"),
+    ({"probe": PROBE[0]}, "looks like one batch"),
+    ({"schedule": 3}, "schedule must be a torch LRScheduler"),
+])
+def test_bad_settings_name_the_value_and_the_fix(kwargs, match):
+    model = _net()
+    settings = {"total_steps": 20, "probe": PROBE, **kwargs}
+    with pytest.raises(hpx.ConfigError, match=match):
+        hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.1), **settings)
+
+
+def test_a_schedule_on_another_optimizer_or_a_foreign_optimizer_is_refused():
+    model, other = _net(), _net(seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(other.parameters(), lr=0.1), 5)
+    with pytest.raises(hpx.ConfigError, match="built on another optimizer"):
+        hpx.Forks(model, opt, total_steps=20, probe=PROBE, schedule=sched)
+    with pytest.raises(hpx.ConfigError, match="not the model's"):
+        hpx.Forks(model, torch.optim.SGD(other.parameters(), lr=0.1), total_steps=20, probe=PROBE)
+
+
+def _ranks(rank: int, world: int) -> dict:
+    """Each rank trains on its half of every batch; every fork is data-parallel over the ranks."""
+    model = _net(p=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if rank == 1:  # rank 0's weights are broadcast at the start
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, backend=TorchDistributed())
+    for b in BATCHES[:20]:
+        forks.step(_loss, tuple(t.chunk(world)[rank] for t in b))
+    return {"params": [p.detach().clone() for p in model.parameters()], "factor": forks.factor,
+            "history": [(r.step, r.values, r.scores) for r in forks.history]}
+
+
+def test_forks_over_two_gloo_ranks_agree_and_match_one_process():
+    out = run_distributed(_ranks, 2)
+    assert out[0]["history"] == out[1]["history"] and out[0]["factor"] == out[1]["factor"]
+    assert all(torch.equal(a, b) for a, b in zip(out[0]["params"], out[1]["params"]))
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), total_steps=20,
+                      probe=PROBE)
+    for b in BATCHES[:20]:
+        forks.step(_loss, b)
+    assert [(s, v) for s, v, _ in out[0]["history"]] == [(r.step, r.values) for r in forks.history]
+    assert out[0]["factor"] == forks.factor
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out[0]["params"], model.parameters()))
