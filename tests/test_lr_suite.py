@@ -466,3 +466,19 @@ def test_offgrid_rows_read_plain_the_method_and_the_oracle():
     assert "| t | 1.78x | 1.0000 | 1.0100 | 1.010 | 1.122 | 1.78 |" in md
     assert "within 2% of plain training at that start (or better) in 1 of 1 cells" in md
     assert "within 5% of the oracle in 1 of 2 cells; more than 2% worse than plain training there in 1" in md
+
+
+def test_the_suite_runs_and_reports_several_methods_each_in_its_table(tmp_path, monkeypatch, capsys):
+    """``--method autolr Forks``: each method's runs go to its own store and its own table
+    (quick mode: 12-step runs, the plumbing only)."""
+    from benchmarks.lr import __main__ as suite
+
+    monkeypatch.setattr(suite, "RUNS", tmp_path)
+    assert suite.main(["eval", "--quick", "--method", "autolr", "Forks", "--tasks", "iris_short",
+                       "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("### autolr") < out.index("### Forks")
+    for method in ("autolr", "Forks"):
+        store = json.loads((tmp_path / f"{method}-quick.json").read_text())
+        assert sorted({k.split("|")[1] for k in store}) == [method]
+        assert len(store) == 3 * 2  # 3 starts x 2 seeds

@@ -274,8 +274,8 @@ def grids_markdown(grids: dict[str, Any]) -> str:
 
 
 _INTRO = """\
-Produced by `python -m benchmarks.lr grid`, `python -m benchmarks.lr eval --method {method}` and
-`python -m benchmarks.lr report --method {method}` (which writes this section), one thread per run,
+Produced by `python -m benchmarks.lr grid`, `python -m benchmarks.lr eval --method {methods}` and
+`python -m benchmarks.lr report --method {methods}` (which writes this section), one thread per run,
 two runs at a time, on {machine}.
 
 {n_tasks} tasks, each a user's set-up as they would write it (`benchmarks/lr/tasks.py`): the
@@ -314,14 +314,12 @@ run, two runs sharing the machine: a rough figure). Below each table the bar is 
 tasks whose probe resolves the grid (the probe's pick is the grid's best on both seeds): on the
 others no search that follows the probe can be expected to place the lr on the grid's best.
 
-### `{method}`
-
-{table}
+{tables}
 """
 
 
-def write_docs(method: str, grids: dict[str, Any], table_md: str) -> None:
-    """Put the suite's section into docs/benchmarks.md (between its markers)."""
+def write_docs(methods: list[str], grids: dict[str, Any], tables: list[str]) -> None:
+    """Put the suite's section into docs/benchmarks.md (between its markers): one table per method."""
     import platform
 
     import torch
@@ -329,8 +327,9 @@ def write_docs(method: str, grids: dict[str, Any], table_md: str) -> None:
     machine = (f"{platform.machine()}, {os.cpu_count()} logical cores; Python {platform.python_version()}, "
                f"torch {torch.__version__}")
     n_held = sum(t in HELD_OUT for t in TASKS)
-    body = _INTRO.format(method=method, machine=machine, grids=grids_markdown(grids), table=table_md,
-                         n_tasks=len(TASKS), n_held=n_held, n_design=len(TASKS) - n_held)
+    shown = "\n\n".join(f"### `{m}`\n\n{md}" for m, md in zip(methods, tables))
+    body = _INTRO.format(methods=" ".join(methods), machine=machine, grids=grids_markdown(grids),
+                         tables=shown, n_tasks=len(TASKS), n_held=n_held, n_design=len(TASKS) - n_held)
     write_section("lr-suite", "The learning-rate suite: a search against plain training and the grid", body)
 
 
@@ -356,7 +355,8 @@ def write_section(marker: str, title: str, body: str, after: str | None = None) 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr", description=__doc__.split("\n")[0])
     p.add_argument("command", choices=("grid", "eval", "report"))
-    p.add_argument("--method", default="autolr", choices=sorted([*METHODS, *LOOPS]))
+    p.add_argument("--method", nargs="+", default=["autolr"], choices=sorted([*METHODS, *LOOPS]),
+                   help="one or more methods: each is run (eval) and reported in its own table")
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--quick", action="store_true",
@@ -371,16 +371,18 @@ def main(argv: list[str] | None = None) -> int:
         print(grids_markdown(grids) if not a.quick else f"{len(grids)} grid runs")
         if a.command == "grid":
             return 0
-    path = RUNS / f"{a.method}{'-quick' if a.quick else ''}.json"
-    store = {} if a.fresh and a.command == "eval" else _load(path)
-    if a.command == "eval":
-        runs = [Run(t, a.method, lr, s, steps) for t in a.tasks
-                for lr in cells(t, grids, steps).values() for s in SEEDS]
-        _run_all(runs, store, path, a.jobs)
-    md = markdown(a.method, table(a.method, a.tasks, grids, store, steps))
-    print(md)
+    tables = []
+    for method in a.method:
+        path = RUNS / f"{method}{'-quick' if a.quick else ''}.json"
+        store = {} if a.fresh and a.command == "eval" else _load(path)
+        if a.command == "eval":
+            runs = [Run(t, method, lr, s, steps) for t in a.tasks
+                    for lr in cells(t, grids, steps).values() for s in SEEDS]
+            _run_all(runs, store, path, a.jobs)
+        tables.append(markdown(method, table(method, a.tasks, grids, store, steps)))
+        print(f"### {method}\n\n{tables[-1]}")
     if a.command == "report" and not a.quick and a.tasks == list(TASKS):
-        write_docs(a.method, grids, md)
+        write_docs(a.method, grids, tables)
     return 0
 
 
