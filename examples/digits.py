@@ -1,12 +1,13 @@
 """hpx on real data in one process: an MLP on scikit-learn's digits, one model on the CPU.
 
-The recommended setup, ``hpx.autolr``: build the optimizer with the learning rate you
-would have used (here 10x below a good one), give the schedule and a few held-out
-batches, and train. In the first 40% of the run the model is scored at 4 points of the
-run's displacement, shrunk and stretched, and the learning rate moves to the scale that
-scores best; until 90% only a shrink that scores better moves it; the rest is plain
-training at that value. For comparison the script also trains the same model plainly at
-the starting learning rate, on the same batches.
+The recommended way to find the learning rate, ``hpx.Forks``: build the optimizer with the
+learning rate you would have used (here 10x below a good one), give the run's length, its
+schedule and held-out batches, and train as usual. Your run is forked into whole runs at 0.1x,
+0.32x, 1x, 3.2x and 10x that learning rate, on the same batches. At 10% and 25% of the run the
+forks are cut (to 3, then to your run and the best challenger), each scored on the held-out
+batches as it would end if annealed then; at the end the challenger replaces your run only if it
+beats it there by 2 standard errors, example by example. For comparison the script also trains
+the same model plainly at the starting learning rate, on the same batches.
 
     python examples/digits.py                 # about 10 s on one CPU core
     python examples/digits.py --lr 0.3        # start near a good value instead
@@ -72,14 +73,20 @@ def main() -> None:
         x, y = batch
         return F.cross_entropy(rep.model(x), y)
 
+    def decided(rec: hpx.SyncRecord) -> None:  # called at each cut and at the end
+        scored = ", ".join(f"{m * args.lr:.3g}: {s:.4f}" for m, s in zip(rec.values["lr"], rec.scores))
+        print(f"step {rec.step:5d}  {rec.phase:4s} probe loss by lr  {scored}  -> keeps lr "
+              f"{rec.bases['lr'] * args.lr:.3g}" if rec.phase == "end" else
+              f"step {rec.step:5d}  {rec.phase:4s} probe loss by lr  {scored}")
+
     model = make_model(args.seed)
-    engine = hpx.autolr(
+    forks = hpx.Forks(
         model,
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
         total_steps=args.steps,
         schedule=schedule,
-        probe=[probe],          # the points are compared on the same held-out batch
-        seed=args.seed,
+        probe=[probe],          # held-out batches the forks are scored on
+        on_sync=decided,
     )
 
     gen = torch.Generator().manual_seed(args.seed)
@@ -87,13 +94,8 @@ def main() -> None:
     print(f"{args.steps} steps, start lr {args.lr:g}")
     for _ in range(args.steps):
         idx = torch.randint(0, len(yt), (args.batch,), generator=gen)
-        engine.step(loss_fn, (xt[idx], yt[idx]))
-        rec = engine.history[-1] if engine.history else None
-        if rec is not None and rec.step == engine.step_count and rec.phase != "hold":
-            lr = rec.bases["lr"] * args.lr
-            print(f"step {rec.step:5d}  {rec.phase:10s} lr {lr:.4f}  probe loss "
-                  f"{min(rec.scores):.4f}..{max(rec.scores):.4f}")
-    hpx_loss, hpx_acc = test_metrics(engine.converge(), xs, ys)
+        forks.step(loss_fn, (xt[idx], yt[idx]))
+    hpx_loss, hpx_acc = test_metrics(forks.converge(), xs, ys)  # your model, holding the winner
     took = time.perf_counter() - start
 
     # the same model trained plainly at the starting learning rate, on the same batches
@@ -110,16 +112,14 @@ def main() -> None:
     plain_loss, plain_acc = test_metrics(plain, xs, ys)
 
     out = Path(args.out)
-    hpx.save_history(engine.history, out / "history.json")
+    hpx.save_history(forks.history, out / "history.json")
     try:
-        png = hpx.plot_history(engine.history, out / "trajectories.png", title="digits MLP, hpx.autolr")
+        png = hpx.plot_history(forks.history, out / "trajectories.png", title="digits MLP, hpx.Forks")
         print(f"plot: {png}")
     except ImportError:
         print("(install matplotlib for a plot)")
-    print(f"\nlr {args.lr:g} -> {engine.bases['lr'] * args.lr:.4g} (searched in the first "
-          f"{engine.search.end} steps, only lowered until step {engine.search.guard_end}; "
-          "then plain training)")
-    print(f"hpx.autolr: test loss {hpx_loss:.4f}, accuracy {hpx_acc:.4f} ({took:.1f} s)")
+    print(f"\nlr {args.lr:g} -> {forks.factor * args.lr:.4g}; history: {out / 'history.json'}")
+    print(f"hpx.Forks: test loss {hpx_loss:.4f}, accuracy {hpx_acc:.4f} ({took:.1f} s)")
     print(f"plain at lr {args.lr:g}: test loss {plain_loss:.4f}, accuracy {plain_acc:.4f}")
 
 

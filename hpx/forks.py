@@ -228,7 +228,9 @@ class Forks:
         for f in trained:
             losses[id(f)] = self._in_stream(f, lambda f=f: _forward_backward(f, loss_fn, batch, scale,
                                                                              scaler))
-        lost = torch.tensor(math.nan, device=_device(self._forks[0].model))
+        if all(id(f) in losses for f in self._forks):
+            return torch.stack([losses[id(f)] for f in self._forks])
+        lost = torch.full((), math.nan, device=_device(self._forks[0].model))  # your run, no longer trained
         return torch.stack([losses.get(id(f), lost) for f in self._forks])
 
     def optimizer_step(self, *, max_grad_norm: float | None = None,

@@ -153,8 +153,9 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
     fig, axes = plt.subplots(len(panels) + 1, 1, figsize=(7, 2.2 * (len(panels) + 1)), sharex=True)
     axes = list(axes) if panels else [axes]
     for i, (ax, (ylabel, xs, line, points)) in enumerate(zip(axes, panels)):
-        for s in range(len(points[0])):
-            ax.plot(xs, [p[s] for p in points], ".", ms=2, color="0.6")
+        # every replica's value (the count may change from record to record: hpx.Forks cuts forks)
+        ax.plot([x for x, p in zip(xs, points) for _ in p], [v for p in points for v in p], ".", ms=2,
+                color="0.6")
         ax.plot(xs, line, "-", color="C0", lw=2, label="mean" if i == 0 and used else "base")
         ax.set_ylabel(ylabel)
         shown = line + [v for p in points for v in p]

@@ -404,3 +404,22 @@ def test_forks_over_two_gloo_ranks_agree_and_match_one_process():
     assert [(s, v) for s, v, _ in out[0]["history"]] == [(r.step, r.values) for r in forks.history]
     assert out[0]["factor"] == forks.factor
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out[0]["params"], model.parameters()))
+
+
+def test_a_run_that_blows_up_is_no_longer_trained_and_loses_at_the_end():
+    """Your run's weights go non-finite: at the cut it is kept for the end (it is yours) but no
+    longer trained, its loss reads nan, and at the end the finite challenger wins and is loaded
+    into your model."""
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=1e5), total_steps=20, probe=PROBE,
+                      multiples=(1e-6, 1e-5, 1.0), cuts=((0.5, 2),), cool=0.0, confidence=1e9)
+    for b in BATCHES[:10]:
+        forks.step(_loss, b)
+    assert not math.isfinite(forks.history[0].scores[0]) and forks.factors[0] == 1.0
+    calls = []
+    for b in BATCHES[10:19]:
+        losses = forks.step(lambda rep, b: calls.append(rep.index) or _loss(rep, b), b)
+        assert math.isnan(float(losses[0])) and math.isfinite(float(losses[1]))
+    assert 0 not in calls  # your blown-up run took no forward
+    forks.step(_loss, BATCHES[19])
+    assert forks.factor in (1e-6, 1e-5) and all(torch.isfinite(p).all() for p in model.parameters())

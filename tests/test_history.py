@@ -96,15 +96,16 @@ def test_help_is_plain_text(capsys):
 
 
 def test_demo_raises_a_low_lr(tmp_path):
-    """The README's demo, shortened: it runs, the lr rises from its low start, and it reports
-    hpx's and plain training's test metrics."""
+    """The README's demo, shortened: it runs, the lr rises from its low start (hpx.Forks keeps a
+    challenger above it), and it reports hpx's and plain training's test metrics and plots the
+    forks (a history whose records hold 5, 3, then 2 of them)."""
     out = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "digits.py"), "--steps", "300", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout
-    start, end = out.split("\nlr ")[1].split(" (")[0].split(" -> ")
+    start, end = out.split("\nlr ")[1].split(";")[0].split(" -> ")
     assert float(start) == 0.03 and float(end) > 0.06
-    hpx_acc = float(out.split("hpx.autolr: test loss ")[1].split("accuracy ")[1].split(" ")[0])
+    hpx_acc = float(out.split("hpx.Forks: test loss ")[1].split("accuracy ")[1].split(" ")[0])
     plain_acc = float(out.split("plain at lr 0.03: test loss ")[1].split("accuracy ")[1].split()[0])
     assert hpx_acc > 0.8 and 0 < plain_acc <= 1
     assert (tmp_path / "trajectories.png").exists() and (tmp_path / "history.json").exists()

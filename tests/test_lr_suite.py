@@ -340,18 +340,21 @@ def test_the_diagnostic_finds_where_a_reading_crosses_and_where_a_parabola_botto
     assert _log_rho_star([1.0, math.nan] + [1.0] * (len(RHOS) - 2)) == -1.0
 
 
-def test_the_cost_table_times_both_loops_on_the_same_task():
+def test_the_cost_table_times_plain_training_and_each_method_on_the_same_task():
     from benchmarks.lr.cost import markdown, measure
 
-    rows = measure(["wine_short"], 1)
-    (name, plain, searched), = rows
-    assert name == "wine_short" and plain > 0 and searched > 0
-    md = markdown(rows, 1)
-    assert f"| wine_short |  | 100 | {plain:.2f} | {searched:.2f} | {searched / plain:.2f} |" in md
+    rows = measure(["wine_short"], 1, ["Forks", "autolr"])
+    (name, plain, (forks, autolr)), = rows
+    assert name == "wine_short" and plain > 0 and forks > 0 and autolr > 0
+    md = markdown(rows, 1, ["Forks", "autolr"])
+    assert (f"| wine_short |  | 100 | {plain:.2f} | {forks:.2f} | {forks / plain:.2f} | {autolr:.2f} | "
+            f"{autolr / plain:.2f} |") in md
+    assert "| Forks (s) | Forks / plain | autolr (s) | autolr / plain |" in md
+    assert f"`hpx.Forks`: median ratio {forks / plain:.2f}" in md
     assert md.startswith("<!-- lr-cost -->") and md.endswith("<!-- /lr-cost -->")
     # a prototype loop is timed the same way, and named in its table
-    (_, _, halving), = measure(["wine_short"], 1, "halving")
-    md = markdown([("wine_short", plain, halving)], 1, "halving")
+    (_, _, (halving,)), = measure(["wine_short"], 1, ["halving"])
+    md = markdown([("wine_short", plain, [halving])], 1, ["halving"])
     assert "--method halving`" in md and "| halving / plain |" in md
 
 
@@ -482,3 +485,31 @@ def test_the_suite_runs_and_reports_several_methods_each_in_its_table(tmp_path, 
         store = json.loads((tmp_path / f"{method}-quick.json").read_text())
         assert sorted({k.split("|")[1] for k in store}) == [method]
         assert len(store) == 3 * 2  # 3 starts x 2 seeds
+
+
+@pytest.mark.parametrize("task", ["iris_short", "cancer_dropout"])
+def test_hpx_forks_ends_where_the_prototype_it_was_built_from_ends(task):
+    """hpx.Forks, run as a user runs it, against the training-loop prototype it implements
+    (``halving-end-cool-z2-lost-last``) from 10x above the grid's best, on a short run: the same
+    lr, the same weights (validation loss), on a task with dropout too."""
+    from benchmarks.lr.__main__ import GRIDS, _load, best_of_grid
+
+    i, lrs, _ = best_of_grid(task, _load(GRIDS))
+    lr = lrs[i] * 10
+    ours = execute(Run(task, "Forks", lr, 0, steps=60))
+    proto = execute(Run(task, "halving-end-cool-z2-lost-last", lr, 0, steps=60))
+    assert ours["end_lr"] != pytest.approx(lr)  # a challenger won: the adoption is compared too
+    assert ours["end_lr"] == pytest.approx(proto["end_lr"], rel=1e-9)
+    assert ours["val"] == pytest.approx(proto["val"], rel=1e-5)
+
+
+def test_agreement_counts_the_cells_both_methods_ran_and_names_those_that_differ():
+    from benchmarks.lr.__main__ import agreement
+
+    a = {"t|A|0.1|0": {"val": 1.0, "end_lr": 0.1}, "t|A|0.1|1": {"val": 2.0, "end_lr": 0.1},
+         "t|A|1|0": {"val": None, "end_lr": 1.0}, "t|A|10|0": {"val": 1.0, "end_lr": 1.0},
+         "u|A|1|0": {"val": 1.0, "end_lr": 1.0}}
+    b = {"t|B|0.1|0": {"val": 1.0 + 1e-7, "end_lr": 0.1}, "t|B|0.1|1": {"val": 2.1, "end_lr": 0.1},
+         "t|B|1|0": {"val": None, "end_lr": 1.0}, "t|B|10|0": {"val": 1.0, "end_lr": 3.16}}
+    both, differ = agreement("A", "B", a, b)
+    assert both == 4 and differ == ["t|A|0.1|1", "t|A|10|0"]

@@ -22,7 +22,7 @@ def _use_snippet() -> str:
     return match.group(1)
 
 
-def test_the_readme_use_snippet_syncs_moves_the_lr_and_prints(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_readme_use_snippet_forks_decides_and_prints(caplog: pytest.LogCaptureFixture) -> None:
     code = _use_snippet()
     assert "basicConfig" in code  # a logging line that prints: getLogger(...).setLevel alone does not
     out = io.StringIO()
@@ -35,9 +35,11 @@ def test_the_readme_use_snippet_syncs_moves_the_lr_and_prints(caplog: pytest.Log
     finally:
         root.handlers[:] = handlers
         root.setLevel(level)
-    engine = scope["engine"]
-    assert len(engine.history) > 0  # it synced within the run it was told about
-    assert engine.bases["lr"] != 1.0  # and the search moved the learning rate
+    forks = scope["forks"]
+    assert [r.phase for r in forks.history] == ["cut", "cut", "end"]  # it decided within the run
+    assert forks.decided and scope["model"] is forks.model
+    assert forks.factor != 1.0  # 3e-4 is low for AdamW here: a challenger wins with confidence
     printed = out.getvalue().splitlines()
     assert len([line for line in printed if line.startswith("epoch ")]) == scope["epochs"]
-    assert any("sync at step" in r.getMessage() for r in caplog.records)
+    assert printed[-1] == f"the run ended at {forks.factor:g} x your lr"
+    assert any("forks at step" in r.getMessage() for r in caplog.records)

@@ -3,6 +3,7 @@
     python -m benchmarks.lr grid                   # 2-seed grids of peak lrs (benchmarks/lr/grids.json)
     python -m benchmarks.lr eval --method autolr   # the method from 0.1x, 1x, 10x the grid's best
     python -m benchmarks.lr report --method autolr # the acceptance table into docs/benchmarks.md
+    python -m benchmarks.lr same --method A B      # do two methods' stored runs agree, cell by cell?
     python -m benchmarks.lr eval --quick           # a smoke run of every task (few steps)
 
 Every command resumes from what it already has (``--fresh`` starts over). The grid of a task is
@@ -314,6 +315,13 @@ run, two runs sharing the machine: a rough figure). Below each table the bar is 
 tasks whose probe resolves the grid (the probe's pick is the grid's best on both seeds): on the
 others no search that follows the probe can be expected to place the lr on the grid's best.
 
+`Forks` is `hpx.Forks` with its defaults, given what `autolr` is given (the optimizer at the peak
+lr, the task's own scheduler, its probe split). It is the training-loop prototype
+`halving-end-cool-z2-lost-last` (`benchmarks/lr/prototypes.py`; docs/method.md, "A confident end")
+built into hpx: `python -m benchmarks.lr same --method Forks halving-end-cool-z2-lost-last` finds
+the same end lr and validation loss in every cell both were run on (102 of 102 when this was
+written). `autolr` is `hpx.autolr` (the `Stretch` search), the recommended search before.
+
 {tables}
 """
 
@@ -352,9 +360,28 @@ def write_section(marker: str, title: str, body: str, after: str | None = None) 
     doc.write_text(text)
 
 
+def agreement(a: str, b: str, store_a: dict[str, Any], store_b: dict[str, Any]
+              ) -> tuple[int, list[str]]:
+    """How many cells (task, lr, seed) both methods ran, and the keys of those where they differ: in
+    the lr they end at (relative 1e-9) or the validation loss (relative 1e-5; a diverged run on both
+    sides agrees). For a method built into hpx from a prototype: do they train the same?"""
+    both, differ = 0, []
+    for key, ra in store_a.items():
+        rb = store_b.get(key.replace(f"|{a}|", f"|{b}|", 1))
+        if rb is None:
+            continue
+        both += 1
+        va, vb = ra["val"], rb["val"]
+        same_val = (va is None) == (vb is None) and (va is None or math.isclose(va, vb, rel_tol=1e-5))
+        if not (same_val and math.isclose(ra["end_lr"], rb["end_lr"], rel_tol=1e-9)):
+            differ.append(key)
+    return both, differ
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr", description=__doc__.split("\n")[0])
-    p.add_argument("command", choices=("grid", "eval", "report"))
+    p.add_argument("command", choices=("grid", "eval", "report", "same"),
+                   help="same: do two methods' stored runs end at the same lr and loss?")
     p.add_argument("--method", nargs="+", default=["autolr"], choices=sorted([*METHODS, *LOOPS]),
                    help="one or more methods: each is run (eval) and reported in its own table")
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
@@ -371,6 +398,14 @@ def main(argv: list[str] | None = None) -> int:
         print(grids_markdown(grids) if not a.quick else f"{len(grids)} grid runs")
         if a.command == "grid":
             return 0
+    if a.command == "same":
+        if len(a.method) != 2:
+            p.error("same compares two methods: --method A B")
+        x, y = a.method
+        both, differ = agreement(x, y, _load(RUNS / f"{x}.json"), _load(RUNS / f"{y}.json"))
+        print(f"{x} and {y}: {both} cells run by both; the same lr and validation loss in "
+              f"{both - len(differ)}" + "".join(f"\n  differ: {k}" for k in differ))
+        return 0
     tables = []
     for method in a.method:
         path = RUNS / f"{method}{'-quick' if a.quick else ''}.json"

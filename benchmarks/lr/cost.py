@@ -1,11 +1,11 @@
-"""The search's cost on the learning-rate suite: autolr's training loop against plain training's,
-side by side in one process.
+"""The searches' cost on the learning-rate suite: hpx.Forks' and autolr's training loops against
+plain training's, side by side in one process.
 
     python -m benchmarks.lr.cost [--tasks ...] [--repeats 2]   # prints the table; writes docs
-    python -m benchmarks.lr.cost --method halving-end ...    # a suite method or prototype instead
+    python -m benchmarks.lr.cost --method halving-end ...    # suite methods or prototypes instead
 
-For every task, plain training and ``hpx.autolr`` (exactly as the suite runs them, at the grid's
-best lr, seed 0) train on the same batches, alternating, ``repeats`` times each, on one thread;
+For every task, plain training and each method (exactly as the suite runs them, at the grid's
+best lr, seed 0) train on the same batches, taking turns, ``repeats`` times each, on one thread;
 the ratio is of the fastest run of each. The issue's bar is an overhead of at most 10% (a ratio
 of 1.10).
 """
@@ -16,6 +16,7 @@ import argparse
 import os
 import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -48,40 +49,52 @@ def _seconds(name: str, lr: float, method: str) -> float:
     return time.perf_counter() - t0
 
 
-def measure(names: list[str], repeats: int, method: str = "autolr") -> list[tuple[str, float, float]]:
-    """``(task, plain seconds, method seconds)``: the fastest of ``repeats`` alternating runs."""
+def measure(names: list[str], repeats: int, methods: Sequence[str] = ("autolr",)
+            ) -> list[tuple[str, float, list[float]]]:
+    """``(task, plain seconds, each method's seconds)``: the fastest of ``repeats`` runs of each,
+    plain training and the methods taking turns."""
     torch.set_num_threads(1)
     grids = _load(GRIDS)
     out = []
     for name in names:
         i, lrs, _ = best_of_grid(name, grids)
-        plain, hpx_s = [], []
+        times: dict[str, list[float]] = {m: [] for m in ("plain", *methods)}
         for _ in range(repeats):
-            plain.append(_seconds(name, lrs[i], "plain"))
-            hpx_s.append(_seconds(name, lrs[i], method))
-        out.append((name, min(plain), min(hpx_s)))
+            for m in times:
+                times[m].append(_seconds(name, lrs[i], m))
+        out.append((name, min(times["plain"]), [min(times[m]) for m in methods]))
     return out
 
 
-def markdown(rows: list[tuple[str, float, float]], repeats: int, method: str = "autolr") -> str:
+def _shown(method: str) -> str:
+    return {"autolr": "hpx.autolr", "Forks": "hpx.Forks"}.get(method, method)
+
+
+def markdown(rows: list[tuple[str, float, list[float]]], repeats: int,
+             methods: Sequence[str] = ("autolr",)) -> str:
     machine = (f"{platform.machine()}, {os.cpu_count()} logical cores; Python {platform.python_version()}, "
                f"torch {torch.__version__}")
+    names = ", ".join(f"`{_shown(m)}`" for m in methods)
     lines = ["<!-- lr-cost -->", "## The search's cost on the learning-rate suite", "",
-             f"Produced by `python -m benchmarks.lr.cost --repeats {repeats}"
-             + ("" if method == "autolr" else f" --method {method}") + f"` on {machine}, one thread.",
-             f"Plain training and `{'hpx.autolr' if method == 'autolr' else method}`, at the grid's best lr "
-             "and on the same batches, run "
-             + ("once each, one after the other," if repeats == 1 else f"{repeats} times each, alternating,"),
+             f"Produced by `python -m benchmarks.lr.cost --repeats {repeats} --method {' '.join(methods)}` "
+             f"on {machine}, one thread.",
+             f"Plain training and {names}, at the grid's best lr and on the same batches, run "
+             + ("once each, one after the other," if repeats == 1
+                else f"{repeats} times each, taking turns,"),
              "per task in one process; the ratio is of the fastest run of each.",
              "The bar is a ratio of 1.10.", "",
-             f"| task | held out | steps | plain (s) | {method} (s) | {method} / plain |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for name, p, h in rows:
+             "| task | held out | steps | plain (s) | "
+             + " | ".join(f"{m} (s) | {m} / plain" for m in methods) + " |",
+             "| --- | --- | --- | --- | " + " | ".join("--- | ---" for _ in methods) + " |"]
+    for name, p, hs in rows:
         lines.append(f"| {name} | {'yes' if name in HELD_OUT else ''} | {TASKS[name].steps} | {p:.2f} | "
-                     f"{h:.2f} | {h / p:.2f} |")
-    ratios = sorted(h / p for _, p, h in rows)
-    lines += ["", f"Median ratio {ratios[len(ratios) // 2]:.2f}, range {ratios[0]:.2f}-{ratios[-1]:.2f}.",
-              "<!-- /lr-cost -->"]
+                     + " | ".join(f"{h:.2f} | {h / p:.2f}" for h in hs) + " |")
+    lines.append("")
+    for j, m in enumerate(methods):
+        ratios = sorted(hs[j] / p for _, p, hs in rows)
+        lines.append(f"`{_shown(m)}`: median ratio {ratios[len(ratios) // 2]:.2f}, range "
+                     f"{ratios[0]:.2f}-{ratios[-1]:.2f}.")
+    lines.append("<!-- /lr-cost -->")
     return "\n".join(lines)
 
 
@@ -89,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.cost", description=__doc__.split("\n")[0])
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--method", default="autolr", choices=sorted([*METHODS, *LOOPS]))
+    p.add_argument("--method", nargs="+", default=["Forks", "autolr"], choices=sorted([*METHODS, *LOOPS]))
     a = p.parse_args(argv)
     md = markdown(measure(a.tasks, a.repeats, a.method), a.repeats, a.method)
     print(md)
-    if a.tasks == list(TASKS) and a.method == "autolr":  # the section is autolr's
+    if a.tasks == list(TASKS) and a.method == ["Forks", "autolr"]:  # the section is hpx's two searches'
         doc = ROOT / "docs" / "benchmarks.md"
         text = doc.read_text()
         start, end = "<!-- lr-cost -->", "<!-- /lr-cost -->"
