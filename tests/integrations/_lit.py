@@ -113,3 +113,32 @@ class InProcess(pl.LightningModule):
 
     def on_fit_end(self):
         self.engine.converge()  # self.net (replica 0) holds the consensus
+
+
+class WithForks(pl.LightningModule):
+    """hpx.Forks in Lightning: manual optimization, the forks step themselves in training_step."""
+
+    def __init__(self, lr: float = 0.01, steps: int = 40) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
+        self.lr, self.steps = lr, steps
+        self.automatic_optimization = False  # hpx.Forks steps every fork's optimizer
+        self.forks = None
+
+    def configure_optimizers(self):
+        return None  # the forks' optimizers are built below, on the network and its copies
+
+    def on_fit_start(self):
+        import hpx
+
+        self.forks = hpx.Forks(self.net, torch.optim.SGD(self.net.parameters(), lr=self.lr, momentum=0.9),
+                               total_steps=self.steps, probe=probe())
+
+    def training_step(self, batch, batch_idx):
+        losses = self.forks.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), batch)
+        self.log("hpx/forks", float(len(self.forks.factors)))
+        self.log("train_loss", losses[0])
+
+    def on_fit_end(self):
+        self.forks.converge()  # self.net holds the winner

@@ -167,3 +167,22 @@ def test_n_replicas_in_one_process_with_manual_optimization(tmp_path):
     assert e.replicas[0].model is module.net  # replica 0 is the module's own network
     rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
     assert float([r for r in rows if r.get("hpx/lr_base")][-1]["hpx/lr_base"]) == pytest.approx(e.bases["lr"])
+
+
+def test_forks_with_manual_optimization(tmp_path):
+    """hpx.Forks inside a LightningModule (manual optimization): the module's own network trains as
+    your run, the forks are cut, and after fit it holds the winner."""
+    from tests.integrations._lit import WithForks
+
+    module = WithForks(lr=0.001, steps=40)
+    net = module.net
+    trainer = _trainer(tmp_path, -1, max_epochs=1, limit_train_batches=40, log_every_n_steps=1)
+    trainer.fit(module, loader())
+    f = module.forks
+    assert f.step_count == 40 and f.decided and f.model is net is module.net
+    assert [r.phase for r in f.history] == ["cut", "cut", "end"]
+    assert f.factor != 1.0  # 0.001 is low for this net: a challenger won and was loaded into it
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    counts = [float(r["hpx/forks"]) for r in rows if r.get("hpx/forks")]
+    # five forks at first, then your run and one challenger, then the winner after the last step
+    assert counts[0] == 5 and 2 in counts and counts[-1] == 1
