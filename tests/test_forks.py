@@ -423,3 +423,29 @@ def test_a_run_that_blows_up_is_no_longer_trained_and_loses_at_the_end():
     assert 0 not in calls  # your blown-up run took no forward
     forks.step(_loss, BATCHES[19])
     assert forks.factor in (1e-6, 1e-5) and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def _example(*launch: str) -> list[str]:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    cmd = [sys.executable, *launch, str(root / "examples" / "torchrun_forks.py"), "--steps", "200"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=True).stdout
+    return out.strip().splitlines()
+
+
+@pytest.mark.slow
+def test_the_torchrun_example_decides_on_two_ranks_as_in_one_process():
+    """examples/torchrun_forks.py under torchrun (2 gloo ranks, each its share of every batch) prints
+    the decisions of the same script in one process (rank 0 alone prints)."""
+    one = _example()
+    two = _example("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+    steps = [line.split("probe loss")[0].strip() for line in one[:-1]]
+    assert steps == ["step    30  cut", "step    60  cut", "step   200  end"]
+    assert [line.split("probe loss")[0].strip() for line in two[:-1]] == steps
+    assert one[-1].startswith("1 rank(s): lr 0.03 -> ") and two[-1].startswith("2 rank(s): lr 0.03 -> ")
+    assert one[-1].split("-> ")[1].split(";")[0] == two[-1].split("-> ")[1].split(";")[0]

@@ -1,0 +1,98 @@
+"""hpx.Forks on torch.distributed, launched by torchrun: every fork data-parallel over the ranks.
+
+    torchrun --nproc_per_node=2 examples/torchrun_forks.py     # 2 ranks on this machine
+    python examples/torchrun_forks.py                          # one process, the same search
+
+An MLP on scikit-learn's bundled digits (nothing is downloaded), started 10x below a good
+learning rate. Every rank holds every fork (your run and its copies at 0.1x to 10x the learning
+rate) and trains it on its own share of each batch; each fork's gradients are averaged over the
+ranks at every step, so each fork is ordinary data-parallel training. Every rank scores the same
+held-out batch, and rank 0's decisions are broadcast. Rank 0 prints a line per decision and the
+final test metrics of your model, which then holds the winner.
+
+On several machines, run the same torchrun command on each with ``--nnodes``, ``--node_rank`` and
+``--rdzv_endpoint`` (see ``torchrun --help``). With GPUs the script uses NCCL and one GPU per
+process; on CPU it uses gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from torch import nn
+
+import hpx
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lr", type=float, default=0.03, help="starting (peak) SGD learning rate")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch", type=int, default=64, help="the global batch, shared by the ranks")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    distributed = "RANK" in os.environ  # launched by torchrun
+    cuda = torch.cuda.is_available()
+    if distributed:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    torch.set_num_threads(1)
+
+    x, y = load_digits(return_X_y=True)
+    x = torch.tensor(x / 16.0, dtype=torch.float32, device=device)
+    y = torch.tensor(y, dtype=torch.long, device=device)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(args.seed)).to(device)
+    x, y = x[perm], y[perm]
+    (xt, yt), probe, (xs, ys) = (x[:1197], y[:1197]), (x[1197:1497], y[1197:1497]), (x[1497:], y[1497:])
+
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (hpx broadcasts rank 0's)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10)).to(device)
+    warm = max(1, args.steps // 10)
+
+    def schedule(t: int) -> float:  # linear warm-up, then cosine to 0
+        if t < warm:
+            return (t + 1) / warm
+        return 0.5 * (1 + math.cos(math.pi * (t - warm) / (args.steps - warm)))
+
+    def decided(rec: hpx.SyncRecord) -> None:
+        if rank == 0:
+            scored = ", ".join(f"{m * args.lr:.3g}: {s:.4f}" for m, s in zip(rec.values["lr"], rec.scores))
+            print(f"step {rec.step:5d}  {rec.phase:4s} probe loss by lr  {scored}", flush=True)
+
+    forks = hpx.Forks(
+        model,
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+        total_steps=args.steps,
+        schedule=schedule,
+        probe=[probe],                                       # the same batch on every rank
+        backend=hpx.backends.TorchDistributed() if distributed else None,
+        on_sync=decided,
+    )
+    gen = torch.Generator().manual_seed(args.seed)  # every rank draws the same global batch ...
+    for _ in range(args.steps):
+        idx = torch.randint(0, len(yt), (args.batch,), generator=gen).to(device)
+        mine = idx.tensor_split(world)[rank]         # ... and trains on its share of it
+        forks.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (xt[mine], yt[mine]))
+    model = forks.converge()                         # your model, holding the winner
+
+    if rank == 0:
+        model.eval()
+        with torch.no_grad():
+            logits = model(xs)
+        loss, acc = F.cross_entropy(logits, ys).item(), (logits.argmax(1) == ys).float().mean().item()
+        print(f"{world} rank(s): lr {args.lr:g} -> {forks.factor * args.lr:.4g}; test loss {loss:.4f}, "
+              f"accuracy {acc:.4f}")
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
