@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
-from collections.abc import Iterable, Sized
+from collections.abc import Iterable, Sequence, Sized
 from numbers import Integral, Real
 from typing import Any
 
@@ -16,21 +16,26 @@ from torch.optim.lr_scheduler import LRScheduler
 from hpx import _checks
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError
+from hpx.knobs.base import Knob
 from hpx.replica import Replica
 from hpx.signals import LossFn, _leaves, _one_batch_problems
 
 
 class _Fork:
-    """One whole run: a replica (model, optimizer), its scheduler, its random stream (``None``:
-    the global one, for your run) and, for an annealed copy, its ramp ``(first step, length)``."""
+    """One whole run: a replica (model, optimizer), its scheduler, its lr multiple ``factor``, the
+    values of the other knobs it trains with, its random stream (``None``: the global one, for your
+    run) and, for an annealed copy, its ramp ``(first step, length)``."""
 
-    __slots__ = ("factor", "lost", "ramp", "replica", "rng", "scheduler")
+    __slots__ = ("factor", "lost", "ramp", "replica", "rng", "scheduler", "values")
 
     def __init__(self, factor: float, replica: Replica, scheduler: LRScheduler | None,
-                 rng: dict[str, Any] | None, ramp: tuple[int, int] | None = None) -> None:
+                 rng: dict[str, Any] | None, ramp: tuple[int, int] | None = None,
+                 values: dict[str, float] | None = None) -> None:
         self.factor, self.replica, self.scheduler, self.rng, self.ramp = factor, replica, scheduler, rng, ramp
+        self.values: dict[str, float] = dict(values or {})
         self.lost = False  # non-finite at a cut: no longer trained (only your run is kept so)
         replica._values["lr"] = factor
+        replica._values.update(self.values)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -40,27 +45,96 @@ class _Fork:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.replica.optimizer
 
+    def setting(self) -> dict[str, float]:
+        """``{"lr": the lr multiple, knob: value, ...}``."""
+        return {"lr": self.factor, **self.values}
+
+    def distance(self, bases: dict[str, float]) -> float:
+        """How far from your run, for ties: ``|log m|``, plus 1 per knob away from its value."""
+        return abs(math.log(self.factor)) + sum(v != bases[k] for k, v in self.values.items())
+
+    def apply(self, knobs: Sequence[Knob]) -> None:
+        """Write the knobs' values into this fork (a dropout rate, a group's weight decay; a value
+        the loss reads is published as ``replica.value(name)``)."""
+        self.replica._values["lr"] = self.factor
+        for k in knobs:
+            setter = k.bind(self.replica)
+            if setter is not None:
+                setter(self.values[k.name])
+            self.replica._values[k.name] = self.values[k.name]
+
     def copied(self, index: int, rng: dict[str, Any] | None, ramp: tuple[int, int] | None = None,
-               factor: float | None = None) -> _Fork:
+               factor: float | None = None, values: dict[str, float] | None = None) -> _Fork:
         """A deep copy of this fork's model, optimizer and scheduler (one copy: the optimizer holds
-        the copied model's parameters and the scheduler the copied optimizer)."""
+        the copied model's parameters and the scheduler the copied optimizer), at ``factor`` and
+        ``values`` (default: this fork's; write them with :meth:`apply`)."""
         model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler))
-        return _Fork(self.factor if factor is None else factor, Replica(index, model, opt), sched, rng, ramp)
+        return _Fork(self.factor if factor is None else factor, Replica(index, model, opt), sched, rng, ramp,
+                     self.values if values is None else values)
 
     def state(self, parent: int | None = None) -> dict[str, Any]:
-        return {"factor": self.factor, "lost": self.lost, "ramp": self.ramp, "rng": self.rng,
-                "parent": parent, "model": self.model.state_dict(),
+        return {"factor": self.factor, "values": dict(self.values), "lost": self.lost, "ramp": self.ramp,
+                "rng": self.rng, "parent": parent, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
 
-    def load(self, state: dict[str, Any]) -> None:
+    def load(self, state: dict[str, Any], knobs: Sequence[Knob]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.factor, self.lost, self.rng = float(state["factor"]), bool(state["lost"]), state["rng"]
+        self.values = {k: float(v) for k, v in state["values"].items()}
         self.ramp = None if state["ramp"] is None else (int(state["ramp"][0]), int(state["ramp"][1]))
-        self.replica._values["lr"] = self.factor
+        self.apply(knobs)
+
+
+def knob_values(knob: Knob) -> list[float]:
+    """The values a knob's forks take: its base (your value) moved by its spread to each side
+    (``base / span`` and ``base * span`` for a geometric spread, ``base * (1 -+ spread)`` for a
+    multiplicative one, ``base -+ spread`` for an additive one), kept in its bounds; those equal
+    to the base are left out."""
+    b, w = knob.base, knob.spread
+    if knob.spacing == "log":
+        raw = [b * math.exp(-w), b * math.exp(w)]
+    elif knob.kind == "mul":
+        raw = [b * (1 - w), b * (1 + w)]
+    else:
+        raw = [b - w, b + w]
+    out: list[float] = []
+    for v in (knob.clamp(x) for x in raw):
+        if v != b and v not in out:
+            out.append(v)
+    return out
+
+
+def knobs_problems(knobs: Any) -> list[str]:
+    """Knobs Forks cannot fork: not knobs, the learning rate (forked by ``multiples``), no spread
+    (nothing to fork at), a schedule, a name used twice."""
+    from hpx.knobs.optim import LearningRate, LearningRateScale
+
+    if isinstance(knobs, Knob) or not isinstance(knobs, (list, tuple)):
+        return [f"knobs must be a list of hpx knobs, e.g. [hpx.Dropout(spread=0.2)] (got "
+                f"{_checks.shown(knobs)})"]
+    problems, names = [], ["lr"]
+    for k in knobs:
+        if not isinstance(k, Knob):
+            problems.append(f"knobs must be hpx knobs, e.g. hpx.Dropout(spread=0.2) (got {_checks.shown(k)})")
+        elif isinstance(k, (LearningRate, LearningRateScale)):
+            problems.append(f"knob {k.name!r} writes the learning rate, which Forks forks by multiples=...: "
+                            "leave it out of knobs")
+        elif k.spread <= 0:
+            problems.append(f"knob {k.name!r} has no spread: give spread=... (or span=... for a "
+                            "multiplicative knob), how far its forks sit from your value")
+        elif k.scheduled:
+            problems.append(f"knob {k.name!r} has a schedule; Forks holds each fork's value fixed: "
+                            "leave the schedule out")
+        elif k.name in names:
+            problems.append(f"knob name {k.name!r} is used twice (or is 'lr', the forks' multiple): "
+                            "name each knob once")
+        else:
+            names.append(k.name)
+    return problems
 
 
 _LOST = object()  # a fork that had no annealed copy (it was lost before the cut)
@@ -81,9 +155,9 @@ def paired_gain(a: torch.Tensor, b: torch.Tensor) -> float:
     return mean / se
 
 
-def _ranked(scores: list[float], factors: list[float]) -> list[int]:
-    """Indices best first; ties go to the multiple nearer to 1 (your run)."""
-    return sorted(range(len(scores)), key=lambda i: (scores[i], abs(math.log(factors[i]))))
+def _ranked(scores: list[float], distances: list[float]) -> list[int]:
+    """Indices best first; ties go to the fork nearer to your run (:meth:`_Fork.distance`)."""
+    return sorted(range(len(scores)), key=lambda i: (scores[i], distances[i]))
 
 
 def _forward_backward(f: _Fork, loss_fn: LossFn, batch: Any, scale: float, scaler: Any) -> torch.Tensor:
@@ -198,8 +272,6 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
             a[0] >= b[0] or a[1] <= b[1] for a, b in itertools.pairwise(cs)):
         problems.append(f"cuts must be (share of the run, forks kept) pairs, shares rising in (0, 1) and "
                         f"counts falling, each at least 2, e.g. ((0.1, 3), (0.25, 2)) (got {cuts!r})")
-    elif ms and cs and cs[0][1] >= len(ms):
-        problems.append(f"the first cut keeps {cs[0][1]} of {len(ms)} forks: keep fewer than there are")
     if not isinstance(cool, Real) or isinstance(cool, bool) or not 0 <= cool < 1:
         problems.append(f"cool must be a share of the run in [0, 1) (got {cool!r})")
     elif ok and cs and any(a[0] + cool >= b[0] for a, b in itertools.pairwise(cs)):

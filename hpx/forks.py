@@ -58,12 +58,15 @@ from hpx._forks import (
     _rows,
     _scalar_or_rows,
     _settings_problems,
+    knob_values,
+    knobs_problems,
     paired_gain,
 )
 from hpx._step import _split
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError, NonFiniteError
+from hpx.knobs.base import Knob
 from hpx.replica import Replica
 from hpx.signals import LossFn
 from hpx.sync_record import SyncRecord
@@ -114,6 +117,10 @@ class Forks:
             scored (``0``: score the forks as they are, at the cut).
         confidence: ``z``: the challenger replaces your run only if it wins by ``z`` standard
             errors (``0``: whichever scores better).
+        knobs: other knobs to fork, each declared with a spread (``hpx.Dropout(spread=0.2)``,
+            ``hpx.WeightDecay(span=10)``, ``hpx.LabelSmoothing(spread=0.1)``): two more forks
+            per knob, at your lr, with the knob moved by its spread to each side of your value
+            (kept in its bounds). A challenger changes the lr or one knob.
         backend: the :class:`~hpx.backends.Collective` (default: this process alone); with
             ``hpx.backends.TorchDistributed()`` each fork is data-parallel over the ranks.
         on_sync: a function (or a list of them) called with the :class:`~hpx.SyncRecord` of each
@@ -147,6 +154,7 @@ class Forks:
         cuts: Sequence[tuple[float, int]] = CUTS,
         cool: float = COOL,
         confidence: float = CONFIDENCE,
+        knobs: Sequence[Knob] = (),
         backend: Collective | None = None,
         on_sync: Callable[[SyncRecord], Any] | Sequence[Callable[[SyncRecord], Any]] = (),
     ) -> None:
@@ -159,6 +167,7 @@ class Forks:
         callbacks = list(on_sync) if isinstance(on_sync, Sequence) else [on_sync]
         problems = _settings_problems(model, optimizer, total_steps, schedule, probe, loss_fn, multiples,
                                       cuts, cool, confidence) + _checks.backend_problems(backend)
+        problems += knobs_problems(knobs)
         problems += [f"on_sync must be a function record -> None, or a list of them (got {on_sync!r})"
                      for _ in callbacks[:1] if not all(callable(c) for c in callbacks)]
         ConfigError.check(problems)
@@ -171,6 +180,15 @@ class Forks:
         self._probe = probe
         self._probe_fn = loss_fn
         self._on_sync = callbacks
+        self.knobs: tuple[Knob, ...] = tuple(knobs)
+        for k in self.knobs:  # your value (read from the model or the optimizer, or given)
+            k.resolve_base(Replica(0, model, optimizer))
+        bases = {k.name: k.base for k in self.knobs}
+        settings = [(m, bases) for m in self.multiples if m != 1.0]
+        settings += [(1.0, {**bases, k.name: v}) for k in self.knobs for v in knob_values(k)]
+        if self.cuts and self.cuts[0][1] >= 1 + len(settings):
+            raise ConfigError([f"the first cut keeps {self.cuts[0][1]} of {1 + len(settings)} forks: keep "
+                               "fewer than there are"])
         if schedule is not None and not isinstance(schedule, LRScheduler):
             schedule = LambdaLR(optimizer, schedule)
         if self.collective.world_size > 1:  # every rank starts from rank 0's weights
@@ -178,11 +196,15 @@ class Forks:
                 for t in [*model.parameters(), *model.buffers()]:
                     self.collective.broadcast_(t.data, 0)
         start = _Fork(1.0, Replica(0, model, optimizer), schedule, None)
+        start.values = dict(bases)
+        start.apply(self.knobs)
         # every other fork starts from a copy of your run and of the random stream as it is now
         rng = _rng_get(_device(model))
-        order = [1.0] + [m for m in self.multiples if m != 1.0]
-        self._forks: list[_Fork] = [start, *(start.copied(i, rng, factor=m)
-                                             for i, m in enumerate(order) if i)]
+        self._forks: list[_Fork] = [start]
+        for i, (m, values) in enumerate(settings, 1):
+            self._forks.append(start.copied(i, rng, factor=m, values=values))
+            self._forks[-1].apply(self.knobs)
+        self._bases = bases
         self._clones: list[_Fork] = []  # a cut's annealed copies, one per fork, while they train
         self._parents: list[int] = []  # ... and the fork each was copied from
         self._plan = {max(1, round(share * self.total_steps)): keep for share, keep in self.cuts}
@@ -190,6 +212,7 @@ class Forks:
         self._decide_at: tuple[int, int] | None = None  # (step, keep) of the cut in progress
         self._initial: float | None = None  # the probe loss of the initial weights
         self.factor = 1.0  # the lr multiple your run trains at: the winner's after the end
+        self.values = dict(bases)  # ... and its knobs' values
         self.decided = False
         self.step_count = 0
         self._fresh = True  # no backward yet in this optimizer step
@@ -356,7 +379,7 @@ class Forks:
         """Keep the ``keep`` forks whose ``scored`` stand-ins (themselves or annealed copies) score
         best on the probe (ties: the nearer to your run), your run always among them."""
         scores = [math.inf if c is _LOST else self._score(c) for c in scored]
-        order = self._agreed(_ranked(scores, [f.factor for f in self._forks])[:keep])
+        order = self._agreed(_ranked(scores, [f.distance(self._bases) for f in self._forks])[:keep])
         if 0 not in order:
             order = [*order[: keep - 1], 0]
         order = [i for i in order if i == 0 or math.isfinite(scores[i])]  # a blown-up challenger goes
@@ -371,9 +394,9 @@ class Forks:
         scores = [self._score(f) for f in self._forks]
         if not any(math.isfinite(s) for s in scores):
             raise NonFiniteError(f"at step {self.step_count} every fork's weights or probe loss are "
-                                 f"non-finite (multiples {[f.factor for f in self._forks]}): lower the "
+                                 f"non-finite ({[f.setting() for f in self._forks]}): lower the "
                                  "learning rate, or check the data and the probe for NaN/inf")
-        best = _ranked(scores, [f.factor for f in self._forks])[0]
+        best = _ranked(scores, [f.distance(self._bases) for f in self._forks])[0]
         gain = math.nan
         if best != 0 and math.isfinite(scores[0]):
             initial = self._initial if self._initial is not None else math.nan
@@ -394,10 +417,10 @@ class Forks:
             start.optimizer.load_state_dict(winner.optimizer.state_dict())
             if start.scheduler is not None:
                 start.scheduler.load_state_dict(winner.scheduler.state_dict())
-            start.factor, start.lost = winner.factor, False
-            start.replica._values["lr"] = winner.factor
+            start.factor, start.values, start.lost = winner.factor, dict(winner.values), False
+            start.apply(self.knobs)  # a dropout rate is no part of the model's state
         self._forks = [start]
-        self.factor, self.decided = start.factor, True
+        self.factor, self.values, self.decided = start.factor, dict(start.values), True
 
     def _agreed(self, order: list[int]) -> list[int]:
         """Rank 0's decision on every rank (they score the same weights, but a decision must be one)."""
@@ -408,15 +431,17 @@ class Forks:
     def _record(self, phase: str, scores: list[float], kept: list[int], gain: float = math.nan) -> None:
         factors = [f.factor for f in self._forks]
         lrs = [[g["lr"] * f.factor for g in f.optimizer.param_groups] for f in self._forks]
-        rec = SyncRecord(step=self.step_count, bases={"lr": factors[kept[0]] if phase == "end" else 1.0},
-                         values={"lr": factors}, scores=[s if math.isfinite(s) else math.nan for s in scores],
+        bases = self._forks[kept[0]].setting() if phase == "end" else {"lr": 1.0, **self._bases}
+        values = {"lr": factors, **{k.name: [f.values[k.name] for f in self._forks] for k in self.knobs}}
+        rec = SyncRecord(step=self.step_count, bases=bases,
+                         values=values, scores=[s if math.isfinite(s) else math.nan for s in scores],
                          phase=phase, searched=True, wall=time.perf_counter() - self._t0,
                          lr=[next((v for v in row if v), row[0]) for row in lrs], lr_factor="lr",
                          metrics=None if math.isnan(gain) else {"gain": gain})
         self.history.append(rec)
-        kept_m = ", ".join(f"{factors[i]:.3g}" for i in kept)
-        log.info("forks at step %d (%s): multiples %s scored %s; kept %s%s", self.step_count, phase,
-                 [round(m, 3) for m in factors], [round(s, 4) for s in scores], kept_m,
+        kept_m = ", ".join(_shown(self._forks[i].setting()) for i in kept)
+        log.info("forks at step %d (%s): %s scored %s; kept %s%s", self.step_count, phase,
+                 [_shown(f.setting()) for f in self._forks], [round(s, 4) for s in scores], kept_m,
                  "" if math.isnan(gain) else f" (the challenger's gain: {gain:.2f} standard errors)")
         for callback in self._on_sync:
             callback(rec)
@@ -482,8 +507,9 @@ class Forks:
 
     @property
     def bases(self) -> dict[str, float]:
-        """``{"lr": the multiple your run trains at}``: 1 until the end, then the winner's."""
-        return {"lr": self.factor}
+        """``{"lr": the multiple your run trains at, knob: its value, ...}``: yours until the end,
+        then the winner's."""
+        return {"lr": self.factor, **self.values}
 
     def converge(self) -> torch.nn.Module:
         """Decide now if the run's end has not decided yet (a loop shorter than ``total_steps``),
@@ -499,7 +525,8 @@ class Forks:
         ``Module.state_dict``: save it with ``torch.save``). The global random stream is not in
         it: save it beside it to resume bit for bit."""
         return {"format": _FORMAT, **{k: getattr(self, k) for k in _SETTINGS},
-                "step": self.step_count, "factor": self.factor, "decided": self.decided,
+                "step": self.step_count, "factor": self.factor, "values": dict(self.values),
+                "knobs": [k.name for k in self.knobs], "decided": self.decided,
                 "initial": self._initial, "decide_at": self._decide_at,
                 "forks": [f.state() for f in self._forks],
                 "clones": [c.state(p) for c, p in zip(self._clones, self._parents)],
@@ -517,17 +544,22 @@ class Forks:
         if odd:
             raise ConfigError([f"the saved run was built with other settings: {'; '.join(odd)}; build Forks "
                                "with the saved run's settings to resume it"])
+        names = [k.name for k in self.knobs]
+        if list(state.get("knobs", [])) != names:
+            raise ConfigError([f"the saved run forked the knobs {list(state.get('knobs', []))}, this one "
+                               f"{names}: build Forks with the saved run's knobs to resume it"])
         start = self._forks[0]
-        start.load(state["forks"][0])
+        start.load(state["forks"][0], self.knobs)
         forks = [start] + [start.copied(i, None) for i in range(1, len(state["forks"]))]
         for f, s in zip(forks[1:], state["forks"][1:]):
-            f.load(s)
+            f.load(s, self.knobs)
         clones = [start.copied(len(forks) + i, None) for i in range(len(state["clones"]))]
         for c, s in zip(clones, state["clones"]):
-            c.load(s)
+            c.load(s, self.knobs)
         self._forks, self._clones = forks, clones
         self._parents = [int(s["parent"]) for s in state["clones"]]
         self.step_count, self.factor = int(state["step"]), float(state["factor"])
+        self.values = {k: float(v) for k, v in state["values"].items()}
         self.decided = bool(state["decided"])
         self._initial = state["initial"]
         self._decide_at = None if state["decide_at"] is None else (int(state["decide_at"][0]),
@@ -541,3 +573,6 @@ class Forks:
                 f"factor={self.factor:.4g}, decided={self.decided})")
 
 
+def _shown(setting: dict[str, float]) -> str:
+    """A fork's setting as a log line shows it: ``"0.316x"``, or ``"1x, dropout 0.3"``."""
+    return ", ".join([f"{setting['lr']:.3g}x", *(f"{k} {v:.3g}" for k, v in setting.items() if k != "lr")])

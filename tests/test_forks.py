@@ -172,11 +172,11 @@ def test_a_lost_run_gives_way_without_the_test():
     assert forks.history[-1].metrics is None  # no test was run
 
 
-def test_every_fork_non_finite_is_an_error_naming_the_multiples():
+def test_every_fork_non_finite_is_an_error_naming_the_forks():
     model = nn.Linear(8, 1)
     forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=1e6), total_steps=10, probe=PROBE,
                       multiples=(0.1, 1.0), cuts=())
-    with pytest.raises(hpx.NonFiniteError, match=r"multiples \[1.0, 0.1\]"):
+    with pytest.raises(hpx.NonFiniteError, match=r"\[\{'lr': 1.0\}, \{'lr': 0.1\}\]"):
         for b in BATCHES[:10]:
             forks.step(_loss, b)
 
@@ -229,13 +229,14 @@ def test_resume_mid_cut_is_bit_for_bit(tmp_path):
     def build():
         model = _net()
         opt, sched = _adamw_onecycle(model, 0.01)
-        return model, hpx.Forks(model, opt, total_steps=STEPS, schedule=sched, probe=PROBE)
+        return model, hpx.Forks(model, opt, total_steps=STEPS, schedule=sched, probe=PROBE,
+                                knobs=[hpx.Dropout(spread=0.1)])
 
     torch.manual_seed(5)
     model, forks = build()
     for b in BATCHES[:4]:
         forks.step(_loss, b)
-    assert len(forks._clones) == 5  # the first cut's copies are in flight
+    assert len(forks._clones) == 7  # the first cut's copies are in flight (5 lr forks, 2 dropout)
     buf = io.BytesIO()
     torch.save({"forks": forks.state_dict(), "rng": torch.random.get_rng_state()}, buf)
     for b in BATCHES[4:STEPS]:
@@ -248,7 +249,7 @@ def test_resume_mid_cut_is_bit_for_bit(tmp_path):
     torch.random.set_rng_state(saved["rng"])
     for b in BATCHES[4:STEPS]:
         forks2.step(_loss, b)
-    assert _same(model, model2) and forks.factor == forks2.factor
+    assert _same(model, model2) and forks.bases == forks2.bases
     assert [(r.step, r.values, r.scores, r.bases) for r in forks.history] == \
         [(r.step, r.values, r.scores, r.bases) for r in forks2.history]
 
@@ -449,3 +450,78 @@ def test_the_torchrun_example_decides_on_two_ranks_as_in_one_process():
     assert [line.split("probe loss")[0].strip() for line in two[:-1]] == steps
     assert one[-1].startswith("1 rank(s): lr 0.03 -> ") and two[-1].startswith("2 rank(s): lr 0.03 -> ")
     assert one[-1].split("-> ")[1].split(";")[0] == two[-1].split("-> ")[1].split(";")[0]
+
+
+def _dropouts(model: nn.Module) -> list[float]:
+    return [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+
+
+def test_a_knob_forks_at_its_spread_and_the_winner_is_plain_training_at_its_value():
+    """knobs=[hpx.Dropout(spread=0.2)] from p = 0.2: forks at p = 0 and 0.4 beside your run, at your
+    lr; the winner (confidence 0) is loaded into your model, its dropout rate included, and equals
+    plain training at that rate from the same random stream."""
+    model = _net(p=0.2)
+    torch.manual_seed(11)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), total_steps=40,
+                      probe=PROBE, multiples=(1.0,), cuts=(), confidence=0, knobs=[hpx.Dropout(spread=0.2)])
+    assert [f.values["dropout"] for f in forks._forks] == [0.2, 0.0, pytest.approx(0.4)]
+    assert [_dropouts(f.model) for f in forks._forks] == [[0.2], [0.0], [pytest.approx(0.4)]]
+    for b in BATCHES[:40]:
+        forks.step(_loss, b)
+    end = forks.history[-1]
+    assert end.values == {"lr": [1.0, 1.0, 1.0], "dropout": [0.2, 0.0, pytest.approx(0.4)]}
+    best = min(range(3), key=lambda i: end.scores[i])
+    p = end.values["dropout"][best]
+    assert forks.bases == {"lr": 1.0, "dropout": p} and _dropouts(model) == [p]
+    ref = _net(p=p)
+    torch.manual_seed(11)
+    _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9), None, BATCHES[:40])
+    assert _same(model, ref)
+
+
+def test_weight_decay_and_label_smoothing_forks():
+    """A geometric spread forks at base / span and base * span (the optimizer's group holds each
+    fork's value); an additive one at base -+ spread, and the loss reads its value from the
+    replica."""
+    model = _net(p=0.0)
+    seen = set()
+
+    def smoothed(rep, b):
+        seen.add(rep.value("label_smoothing"))
+        return _loss(rep, b) + 0.0 * rep.value("label_smoothing")
+
+    forks = hpx.Forks(model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01),
+                      total_steps=20, probe=PROBE, multiples=(1.0,), cuts=(),
+                      knobs=[hpx.WeightDecay(group=0, span=10), hpx.LabelSmoothing(base=0.05, spread=0.05)])
+    wds = [f.optimizer.param_groups[0]["weight_decay"] for f in forks._forks]
+    assert wds == [0.01, pytest.approx(0.001), pytest.approx(0.1), 0.01, 0.01]
+    assert [f.values["label_smoothing"] for f in forks._forks] == [0.05, 0.05, 0.05, 0.0, 0.1]
+    forks.step(smoothed, BATCHES[0])
+    assert seen == {0.0, 0.05, 0.1}
+
+
+@pytest.mark.parametrize(("knobs", "match"), [
+    ([hpx.LearningRate(span=2.0)], "leave it out of knobs"),
+    ([hpx.Dropout()], "has no spread"),
+    ([hpx.Dropout(spread=0.1), hpx.Dropout(spread=0.2)], "used twice"),
+    (hpx.Dropout(spread=0.1), "must be a list of hpx knobs"),
+])
+def test_knobs_forks_cannot_take_are_refused(knobs, match):
+    model = _net()
+    with pytest.raises(hpx.ConfigError, match=match):
+        hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=20, probe=PROBE,
+                  knobs=knobs)
+
+
+def test_a_refused_knob_leaves_the_optimizer_as_it_was():
+    """The checks that need the model (a knob with nothing to write, a cut keeping every fork) run
+    before a function schedule becomes a LambdaLR on your optimizer."""
+    model = nn.Linear(8, 1)  # no dropout module
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(hpx.ConfigError, match="dropout"):
+        hpx.Forks(model, opt, total_steps=20, probe=PROBE, schedule=lambda t: 0.5,
+                  knobs=[hpx.Dropout(spread=0.1)])
+    with pytest.raises(hpx.ConfigError, match="keeps 2 of 2 forks"):
+        hpx.Forks(model, opt, total_steps=20, probe=PROBE, schedule=lambda t: 0.5, multiples=(1.0, 2.0),
+                  cuts=((0.5, 2),))
+    assert opt.param_groups[0]["lr"] == 0.1 and "initial_lr" not in opt.param_groups[0]

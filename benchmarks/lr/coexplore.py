@@ -1,19 +1,24 @@
 """Co-exploration: the learning rate and a second knob explored in one run, against a 2-D grid.
 
-    python -m benchmarks.lr.coexplore [--jobs 2]   # grids, then the method; prints the table
+    python -m benchmarks.lr.coexplore [--jobs 2]   # grids, then both routes; prints the tables
+    python -m benchmarks.lr.coexplore --route forks  # one route only
 
 For each pair (a suite task, a second knob that matters there), plain training is run on a 2-D
 grid (the task's peak lr at 0.1x .. 10x its 1-D grid's best, half-decade steps, times four
-values of the knob, 2 seeds). The general route is then run as the README gives it ("Your own
-knobs and strategy"): ``hpx.Engine`` with a ``LearningRateScale`` on the task's own schedule and
-the second knob, 4 replicas in one process, ``sync_every=25``, a ``ProbeStream`` on the task's
-probe and the engine's default strategy (HDET). It starts from two cells:
+values of the knob, 2 seeds). Two routes are then run. ``engine``: ``hpx.Engine`` with a
+``LearningRateScale`` on the task's own schedule and the second knob, 4 replicas in one process,
+``sync_every=25``, a ``ProbeStream`` on the task's probe and the engine's default strategy (HDET).
+``forks``: ``hpx.Forks`` with its defaults and the second knob forked (``hpx.Dropout(spread=0.2)``,
+``hpx.WeightDecay(group=0, span=10)``: a fifth of the rate and a decade, fixed before any run).
+Each starts from two cells:
 
 * the 2-D grid's best (bar: within 5% of its loss);
 * the best lr with the knob value whose plain run is worst, if it is at least 5% worse than the
   2-D best (bar: better than plain training there).
 
-Results go to ``runs/lr/coexplore.json``. Design tasks only: the held-out tasks stay held out.
+Results go to ``runs/lr/coexplore.json``. Three pairs are design tasks; two (moons_dropout,
+char_gru_adamw) are held-out tasks, added after the design ones were read, with their values
+fixed before either route ran on them, and marked in the table.
 """
 
 from __future__ import annotations
@@ -30,14 +35,17 @@ import torch
 import hpx
 from benchmarks.lr.__main__ import GRIDS, RUNS, SEEDS, _load, _save, best_of_grid
 from benchmarks.lr.run import plain_train
-from benchmarks.lr.tasks import Task, get_task
+from benchmarks.lr.tasks import HELD_OUT, Task, get_task
 from hpx.schedule._shadow import read_schedule
 
-# task -> (knob, the values of its 2-D grid)
+# task -> (knob, the values of its 2-D grid). The last two are held-out tasks, added with their
+# values before either route ran on them (the forks route's spreads were fixed before as well).
 PAIRS: dict[str, tuple[str, tuple[float, ...]]] = {
     "cancer_dropout": ("dropout", (0.0, 0.2, 0.5, 0.7)),
     "digits_mlp": ("weight_decay", (5e-5, 5e-4, 5e-3, 5e-2)),
     "char_transformer": ("weight_decay", (0.01, 0.1, 0.3, 1.0)),
+    "moons_dropout": ("dropout", (0.0, 0.3, 0.5, 0.7)),
+    "char_gru_adamw": ("weight_decay", (0.001, 0.01, 0.1, 1.0)),
 }
 LR_FACTORS = (0.1, 10 ** -0.5, 1.0, 10 ** 0.5, 10.0)
 PATH = RUNS / "coexplore.json"
@@ -57,6 +65,14 @@ def _knob(name: str) -> hpx.Knob:
     if name == "dropout":
         return hpx.Dropout("dropout", spread=0.1)
     return hpx.WeightDecay("weight_decay", group=0, span=2.0)
+
+
+def _fork_knob(name: str) -> hpx.Knob:
+    """The second knob as hpx.Forks forks it: a dropout rate 0.2 to each side, a weight decay a
+    decade to each side."""
+    if name == "dropout":
+        return hpx.Dropout("dropout", spread=0.2)
+    return hpx.WeightDecay("weight_decay", group=0, span=10.0)
 
 
 def run(args: tuple[str, str, float, float, int]) -> tuple[str, dict[str, Any]]:
@@ -80,6 +96,8 @@ def _run(method: str, name: str, lr: float, value: float, seed: int) -> tuple[st
     out: dict[str, Any] = {"lr": lr, "knob": value}
     if method == "plain":
         final: torch.nn.Module | None = plain_train(task, model, opt, sched, batches)
+    elif method == "forks":
+        final, out = _forks_route(task, model, opt, sched, batches, knob, lr)
     else:
         final, out = _general_route(task, model, opt, sched, batches, knob, value, lr, seed)
     val = task.evaluate(final) if final is not None else math.nan
@@ -109,6 +127,19 @@ def _general_route(task: Task, model: torch.nn.Module, opt: torch.optim.Optimize
     return final, {"lr": lr * engine.bases["lr"], "knob": engine.bases[knob]}
 
 
+def _forks_route(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+                 batches: list[Any], knob: str, lr: float) -> tuple[torch.nn.Module | None, dict[str, Any]]:
+    forks = hpx.Forks(model, opt, total_steps=task.steps, schedule=sched, probe=task.probe(),
+                      loss_fn=lambda rep, b: task.loss(rep.model, b), knobs=[_fork_knob(knob)])
+    try:
+        for b in batches:
+            forks.step(lambda rep, bb: task.loss(rep.model, bb), b)
+        final: torch.nn.Module | None = forks.converge()
+    except hpx.NonFiniteError:
+        final = None
+    return final, {"lr": lr * forks.bases["lr"], "knob": forks.bases[_fork_knob(knob).name]}
+
+
 def _cells(name: str, grids: dict[str, Any]) -> list[tuple[float, float]]:
     i, lrs, _ = best_of_grid(name, grids)
     return [(lrs[i] * f, v) for f in LR_FACTORS for v in PAIRS[name][1]]
@@ -119,19 +150,21 @@ def _mean(store: dict[str, Any], method: str, name: str, lr: float, v: float) ->
     return math.nan if any(x is None for x in vals) else statistics.fmean(vals)
 
 
-def table(store: dict[str, Any], grids: dict[str, Any]) -> list[str]:
-    out = ["| task | knob | start (lr, knob) | plain | hpx | hpx / plain | hpx / 2-D best "
-           "| ends at (lr, knob) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+def table(store: dict[str, Any], grids: dict[str, Any], method: str = "hpx") -> list[str]:
+    """The route's rows (``method``: ``"hpx"``, the engine's, or ``"forks"``)."""
+    out = ["| task | held out | knob | start (lr, knob) | plain | hpx | hpx / plain | hpx / 2-D best "
+           "| ends at (lr, knob) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, (knob, _) in PAIRS.items():
         cells = _cells(name, grids)
         plain = {c: _mean(store, "plain", name, *c) for c in cells}
         best = min((p, c) for c, p in plain.items() if not math.isnan(p))
         for start in _starts(name, plain, best):
-            hpx_val = _mean(store, "hpx", name, *start)
-            ends = [store[f"hpx|{name}|{start[0]:.6g}|{start[1]:g}|{s}"] for s in SEEDS]
+            hpx_val = _mean(store, method, name, *start)
+            ends = [store[f"{method}|{name}|{start[0]:.6g}|{start[1]:g}|{s}"] for s in SEEDS]
             end_lr = math.exp(statistics.fmean(math.log(e["lr"]) for e in ends))
             end_k = statistics.fmean(e["knob"] for e in ends)
-            out.append(f"| {name} | {knob} | {start[0]:.3g}, {start[1]:g} | {plain[start]:.4f} | "
+            held = "yes" if name in HELD_OUT else ""
+            out.append(f"| {name} | {held} | {knob} | {start[0]:.3g}, {start[1]:g} | {plain[start]:.4f} | "
                        f"{hpx_val:.4f} | {hpx_val / plain[start]:.3f} | {hpx_val / best[0]:.3f} | "
                        f"{end_lr:.3g}, {end_k:.3g} |")
     return out
@@ -150,7 +183,9 @@ def _starts(name: str, plain: dict[tuple[float, float], float],
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.coexplore", description=__doc__.split("\n")[0])
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--route", nargs="+", choices=("engine", "forks"), default=["forks", "engine"])
     a = p.parse_args(argv)
+    methods = [{"engine": "hpx", "forks": "forks"}[r] for r in a.route]
     grids = _load(GRIDS)
     store = _load(PATH)
     todo = [("plain", n, lr, v, s) for n in PAIRS for lr, v in _cells(n, grids) for s in SEEDS]
@@ -159,9 +194,10 @@ def main(argv: list[str] | None = None) -> int:
     for n in PAIRS:
         plain = {c: _mean(store, "plain", n, *c) for c in _cells(n, grids)}
         best = min((v, c) for c, v in plain.items() if not math.isnan(v))
-        starts += [("hpx", n, lr, v, s) for lr, v in _starts(n, plain, best) for s in SEEDS]
+        starts += [(m, n, lr, v, s) for m in methods for lr, v in _starts(n, plain, best) for s in SEEDS]
     _execute(starts, store, a.jobs)
-    print("\n".join(table(store, grids)))
+    for route, m in zip(a.route, methods):
+        print(f"\n{route}:\n" + "\n".join(table(store, grids, m)))
     return 0
 
 
