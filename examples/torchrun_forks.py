@@ -18,6 +18,7 @@ process; on CPU it uses gloo.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 
@@ -40,10 +41,19 @@ def main() -> None:
 
     distributed = "RANK" in os.environ  # launched by torchrun
     cuda = torch.cuda.is_available()
-    if distributed:
-        dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    if not distributed:
+        train(args, 0, 1, torch.device("cuda" if cuda else "cpu"), distributed)
+        return
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        train(args, dist.get_rank(), dist.get_world_size(),
+              torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"), distributed)
+    finally:
+        gc.collect()  # nothing of the run may outlive the process group (torch aborts at exit otherwise)
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, rank: int, world: int, device: torch.device, distributed: bool) -> None:
     torch.set_num_threads(1)
 
     x, y = load_digits(return_X_y=True)
@@ -90,8 +100,6 @@ def main() -> None:
         loss, acc = F.cross_entropy(logits, ys).item(), (logits.argmax(1) == ys).float().mean().item()
         print(f"{world} rank(s): lr {args.lr:g} -> {forks.factor * args.lr:.4g}; test loss {loss:.4f}, "
               f"accuracy {acc:.4f}")
-    if distributed:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -435,8 +435,10 @@ def _example(*launch: str) -> list[str]:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     cmd = [sys.executable, *launch, str(root / "examples" / "torchrun_forks.py"), "--steps", "200"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, check=True).stdout
-    return out.strip().splitlines()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    how = " ".join(launch) or "python"
+    assert proc.returncode == 0, f"{how} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
+    return proc.stdout.strip().splitlines()
 
 
 @pytest.mark.slow
