@@ -20,6 +20,9 @@ from hpx.knobs.base import Knob
 from hpx.replica import Replica
 from hpx.signals import LossFn, _leaves, _one_batch_problems
 
+_FORMAT = "hpx.forks/1"
+_SETTINGS = ("total_steps", "multiples", "cuts", "cool", "confidence")
+
 
 class _Fork:
     """One whole run: a replica (model, optimizer), its scheduler, its lr multiple ``factor``, the
@@ -280,3 +283,33 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
     if not isinstance(confidence, Real) or isinstance(confidence, bool) or not 0 <= confidence < math.inf:
         problems.append(f"confidence must be a number >= 0 (got {confidence!r})")
     return problems
+
+
+def state_problems(state: Any, settings: dict[str, Any], knobs: list[str], model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer) -> list[str]:
+    """Why a ``Forks`` with these ``settings`` and ``knobs`` on ``model`` and ``optimizer`` cannot
+    take ``state`` (checked before anything changes)."""
+    if not isinstance(state, dict) or state.get("format") != _FORMAT:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        return [f"not a Forks state (format {got!r}, expected {_FORMAT!r}): give what Forks.state_dict() "
+                "returned"]
+    odd = [f"{k}={state.get(k)!r} (this run has {v!r})" for k, v in settings.items()
+           if _plain(state.get(k)) != _plain(v)]
+    if odd:
+        return [f"the saved run was built with other settings: {'; '.join(odd)}; build Forks with the saved "
+                "run's settings to resume it"]
+    if list(state.get("knobs", [])) != knobs:
+        return [f"the saved run forked the knobs {list(state.get('knobs', []))}, this one {knobs}: build "
+                "Forks with the saved run's knobs to resume it"]
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    groups = [len(g["params"]) for g in optimizer.param_groups]
+    for i, f in enumerate([*state["forks"], *state["clones"]]):
+        have = {k: tuple(v.shape) for k, v in f["model"].items()}
+        if have != want:
+            diff = sorted(set(have.items()) ^ set(want.items()))[:3]
+            return [f"fork {i} of the saved run has another model (first differences: {diff}): build Forks "
+                    "on the saved run's architecture"]
+        if [len(g["params"]) for g in f["optimizer"]["param_groups"]] != groups:
+            return [f"fork {i} of the saved run has other optimizer parameter groups: build the optimizer "
+                    "as the saved run did"]
+    return []

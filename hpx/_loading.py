@@ -131,5 +131,9 @@ def _processes(engine: Any) -> Any:
 
 
 def _device(engine: Any) -> torch.device:
-    """Where the engine's collectives run (NCCL gathers CUDA tensors only)."""
-    return engine._acc.device
+    """Where the engine's collectives run (NCCL gathers CUDA tensors only): an engine's loss
+    accumulators' device, or hpx.Forks' model's."""
+    acc = getattr(engine, "_acc", None)
+    if acc is not None:
+        return acc.device
+    return next((p.device for p in engine.model.parameters()), torch.device("cpu"))

@@ -68,6 +68,7 @@ from hpx._loading import (
 )
 from hpx.engine import Engine
 from hpx.errors import ConfigError, NonFiniteError
+from hpx.forks import Forks
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -77,7 +78,7 @@ _FORMAT = 1
 _CANDIDATES = 32  # newest complete steps each rank offers when the ranks agree on one
 
 
-def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
+def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *,
                     extra: Mapping[str, Any] | None = None, keep: int = 2) -> Path | None:
     """Save this rank's part of the run at ``engine.step_count``; return the file written, or
     ``None`` when a replica's weights are non-finite (nothing is written).
@@ -86,7 +87,9 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
         directory: the run's checkpoint directory (created if needed; shared by the ranks
             or not, each rank writes only its own files).
         engine: the :class:`~hpx.Engine` (its replicas' models and optimizers, knobs,
-            search state, step, history).
+            search state, step, history), or the :class:`~hpx.Forks` (every fork's model,
+            optimizer, scheduler and random stream, the annealed copies in flight, the
+            decisions; a fork that blew up is saved as it is).
         extra: more objects with ``state_dict()`` / ``load_state_dict()`` to save with it,
             by name: an LR scheduler, a ``GradScaler``, your data sampler.
         keep: complete checkpoints of this rank to keep (older ones are deleted once
@@ -159,9 +162,12 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     return path
 
 
-def _unsound(engine: Engine) -> list[int]:
+def _unsound(engine: Engine | Forks) -> list[int]:
     """The replicas (global indices) whose weights or floating buffers are non-finite, the same
-    list on every rank (one pass over the weights and one gather)."""
+    list on every rank (one pass over the weights and one gather). None for hpx.Forks: a fork that
+    blew up is part of its search (cut at the next cut, or your run given up at the end)."""
+    if isinstance(engine, Forks):
+        return []
     try:
         sound = engine._sound()
     except NonFiniteError:
@@ -169,7 +175,7 @@ def _unsound(engine: Engine) -> list[int]:
     return (~sound).nonzero().reshape(-1).tolist()
 
 
-def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
+def load_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *,
                     extra: Mapping[str, Any] | None = None, rng: bool = True,
                     elastic: bool = False, required: bool = False) -> int | None:
     """Resume from the newest step that every rank saved completely; return it, or ``None``
@@ -206,6 +212,9 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine, *,
     problems = _extra_problems(extra) + _directory_problems(root)
     if not isinstance(required, bool):
         problems.append(f"required must be True or False (got {required!r})")
+    if elastic and isinstance(engine, Forks):
+        problems.append("hpx.Forks resumes with the saved run's process count: load_checkpoint(..., "
+                        "elastic=False)")
     ConfigError.check(problems)
     # shared mode over processes: a rank that trains instead of loading meets this, not a hang
     engine._check_aligned("loading a checkpoint")
@@ -496,9 +505,9 @@ def _call_problems(who: str, directory: Any, engine: Any) -> list[str]:
     if not isinstance(directory, (str, os.PathLike)):
         problems.append(f"{who}'s directory must be a path, a str or pathlib.Path (got "
                         f"{type(directory).__name__}): call {who}(directory, engine)")
-    if not isinstance(engine, Engine):
-        problems.append(f"{who}'s engine must be an hpx.Engine (got {type(engine).__name__}): call "
-                        f"{who}(directory, engine) with the engine you train (hpx.autolr returns one)")
+    if not isinstance(engine, (Engine, Forks)):
+        problems.append(f"{who}'s engine must be an hpx.Engine or hpx.Forks (got {type(engine).__name__}): "
+                        f"call {who}(directory, engine) with the engine or forks you train")
     return problems
 
 

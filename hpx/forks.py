@@ -46,12 +46,13 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from hpx import _checks
 from hpx._buckets import dtype_groups
 from hpx._forks import (
+    _FORMAT,
     _LOST,
+    _SETTINGS,
     _average_buffers,
     _device,
     _Fork,
     _forward_backward,
-    _plain,
     _ranked,
     _rng_get,
     _rng_set,
@@ -61,6 +62,7 @@ from hpx._forks import (
     knob_values,
     knobs_problems,
     paired_gain,
+    state_problems,
 )
 from hpx._step import _split
 from hpx.backends import default_backend
@@ -84,8 +86,6 @@ COOL = 0.05
 CONFIDENCE = 2.0
 """The default ``z``: standard errors by which a challenger must beat your run at the end."""
 
-_FORMAT = "hpx.forks/1"
-_SETTINGS = ("total_steps", "multiples", "cuts", "cool", "confidence")
 
 
 class Forks:
@@ -535,19 +535,7 @@ class Forks:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` into a ``Forks`` built with the same settings on the same
         model, optimizer and schedule (checked first: a refused state changes nothing)."""
-        if not isinstance(state, dict) or state.get("format") != _FORMAT:
-            got = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ConfigError([f"not a Forks state (format {got!r}, expected {_FORMAT!r}): give what "
-                               "Forks.state_dict() returned"])
-        odd = [f"{k}={state.get(k)!r} (this run has {getattr(self, k)!r})" for k in _SETTINGS
-               if _plain(state.get(k)) != _plain(getattr(self, k))]
-        if odd:
-            raise ConfigError([f"the saved run was built with other settings: {'; '.join(odd)}; build Forks "
-                               "with the saved run's settings to resume it"])
-        names = [k.name for k in self.knobs]
-        if list(state.get("knobs", [])) != names:
-            raise ConfigError([f"the saved run forked the knobs {list(state.get('knobs', []))}, this one "
-                               f"{names}: build Forks with the saved run's knobs to resume it"])
+        ConfigError.check(self._load_problems(state))
         start = self._forks[0]
         start.load(state["forks"][0], self.knobs)
         forks = [start] + [start.copied(i, None) for i in range(1, len(state["forks"]))]
@@ -566,6 +554,17 @@ class Forks:
                                                                    int(state["decide_at"][1]))
         self.history = [SyncRecord(**r) for r in state["history"]]
         self._fresh = True
+
+    def _load_problems(self, state: Any) -> list[str]:
+        """Why :meth:`load_state_dict` would refuse ``state`` (``hpx.load_checkpoint`` asks every
+        rank before any loads)."""
+        start = self._forks[0]
+        return state_problems(state, {k: getattr(self, k) for k in _SETTINGS}, [k.name for k in self.knobs],
+                              start.model, start.optimizer)
+
+    def _check_aligned(self, when: str) -> None:
+        """Nothing to check before ``hpx.load_checkpoint``: the forks' all-reduce pairs up each
+        step's gradients, and a rank behind the others blocks in it rather than mixing steps."""
 
     def __repr__(self) -> str:
         shown = [round(m, 3) for m in self.factors]

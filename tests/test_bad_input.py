@@ -765,7 +765,7 @@ ON_AN_ENGINE = [
     EngineCase("save directory a number", lambda e: hpx.save_checkpoint(3, e), hpx.ConfigError,
                ("directory must be a path", "(got int)", "save_checkpoint(directory, engine)")),
     EngineCase("save arguments swapped", lambda e: hpx.save_checkpoint(e, _empty()), hpx.ConfigError,
-               ("(got Engine)", "engine must be an hpx.Engine (got str)")),
+               ("(got Engine)", "engine must be an hpx.Engine or hpx.Forks (got str)")),
     EngineCase("load arguments swapped", lambda e: hpx.load_checkpoint(e, _empty()), hpx.ConfigError,
                ("directory must be a path", "load_checkpoint(directory, engine)")),
     EngineCase("load extra not stateful", lambda e: hpx.load_checkpoint(_empty(), e, extra={"s": 1}),

@@ -527,3 +527,92 @@ def test_a_refused_knob_leaves_the_optimizer_as_it_was():
         hpx.Forks(model, opt, total_steps=20, probe=PROBE, schedule=lambda t: 0.5, multiples=(1.0, 2.0),
                   cuts=((0.5, 2),))
     assert opt.param_groups[0]["lr"] == 0.1 and "initial_lr" not in opt.param_groups[0]
+
+
+def _resumable(total: int = STEPS):
+    model = _net()
+    opt, sched = _adamw_onecycle(model, 0.01)
+    return model, hpx.Forks(model, opt, total_steps=total, schedule=sched, probe=PROBE,
+                            knobs=[hpx.Dropout(spread=0.1)])
+
+
+def test_save_and_load_checkpoint_resume_forks_bit_for_bit(tmp_path):
+    """hpx.save_checkpoint every 5 steps; the process "dies" after step 13 (a cut's copies were in
+    flight at the save of step 10... and at 5); a fresh Forks loads the newest checkpoint with the
+    random streams and ends exactly as the uninterrupted run."""
+    torch.manual_seed(5)
+    model, forks = _resumable()
+    for t, b in enumerate(BATCHES[:STEPS], 1):
+        forks.step(_loss, b)
+        if t % 5 == 0 and t <= 10:
+            assert hpx.save_checkpoint(tmp_path, forks) is not None
+    torch.manual_seed(123)  # the new process's own stream: the checkpoint's replaces it
+    model2, forks2 = _resumable()
+    assert hpx.load_checkpoint(tmp_path, forks2) == 10
+    assert forks2.step_count == 10
+    for b in BATCHES[10:STEPS]:
+        forks2.step(_loss, b)
+    assert _same(model, model2) and forks.bases == forks2.bases
+    assert [r.scores for r in forks.history] == [r.scores for r in forks2.history]
+
+
+def test_a_blown_up_challenger_is_saved_and_a_refused_load_changes_nothing(tmp_path):
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE,
+                      multiples=(1.0, 1e30), cuts=())
+    for b in BATCHES[:5]:
+        forks.step(_loss, b)
+    assert not all(torch.isfinite(p).all() for p in forks._forks[1].model.parameters())
+    assert hpx.save_checkpoint(tmp_path, forks) is not None  # the search's state, as it is
+    other_model = _net(seed=1, p=0.0)
+    before = copy.deepcopy(other_model.state_dict())
+    other = hpx.Forks(other_model, torch.optim.SGD(other_model.parameters(), lr=0.05), total_steps=20,
+                      probe=PROBE, multiples=(1.0, 3.0), cuts=())
+    with pytest.raises(hpx.ConfigError, match=r"multiples=\(1.0, 1e\+30\) \(this run has \(1.0, 3.0\)\)"):
+        hpx.load_checkpoint(tmp_path, other)
+    with pytest.raises(hpx.ConfigError, match="elastic=False"):
+        hpx.load_checkpoint(tmp_path, other, elastic=True)
+    assert _same_state(before, other_model.state_dict()) and other.step_count == 0
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.values(), b.values()))
+
+
+def test_a_state_of_another_architecture_is_refused_before_anything_changes():
+    model = _net()
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE)
+    state = copy.deepcopy(forks.state_dict())
+    wide = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Dropout(0.2), nn.Linear(64, 1))
+    other = hpx.Forks(wide, torch.optim.SGD(wide.parameters(), lr=0.05), total_steps=20, probe=PROBE)
+    before = copy.deepcopy(wide.state_dict())
+    with pytest.raises(hpx.ConfigError, match="another model"):
+        other.load_state_dict(state)
+    assert _same_state(before, wide.state_dict())
+
+
+def _ranks_resume(rank: int, world: int, folder: str) -> bool:
+    """2 ranks save with hpx.save_checkpoint at step 10, then fresh Forks on both load it and
+    finish: the same weights as the uninterrupted run."""
+    def build():
+        model = _net(p=0.0)
+        return model, hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                total_steps=20, probe=PROBE, backend=TorchDistributed())
+
+    def shard(b):
+        return tuple(t.chunk(world)[rank] for t in b)
+
+    model, forks = build()
+    for t, b in enumerate(BATCHES[:20], 1):
+        forks.step(_loss, shard(b))
+        if t == 10:
+            hpx.save_checkpoint(folder, forks)
+    model2, forks2 = build()
+    assert hpx.load_checkpoint(folder, forks2) == 10
+    for b in BATCHES[10:20]:
+        forks2.step(_loss, shard(b))
+    return _same(model, model2) and forks.bases == forks2.bases
+
+
+def test_forks_resume_from_a_checkpoint_on_two_gloo_ranks(tmp_path):
+    assert run_distributed(_ranks_resume, 2, str(tmp_path)) == [True, True]
