@@ -130,7 +130,9 @@ class Forks:
         history: a :class:`~hpx.SyncRecord` per decision (``phase`` ``"cut"`` or ``"end"``;
             ``values["lr"]`` the multiples scored, ``scores`` their probe losses, ``bases["lr"]``
             the multiple the run trains at after it).
-        step_count: optimizer steps taken.
+        step_count: optimizer steps taken (calls of :meth:`optimizer_step`).
+        fork_steps: optimizer steps taken by all forks and annealed copies together: the
+            search's cost in steps (``fork_steps / step_count``: the multiple of plain training's).
 
     Example::
 
@@ -215,6 +217,7 @@ class Forks:
         self.values = dict(bases)  # ... and its knobs' values
         self.decided = False
         self.step_count = 0
+        self.fork_steps = 0  # optimizer steps of every fork and copy: the search's cost in steps
         self._fresh = True  # no backward yet in this optimizer step
         self._warned = False
         self.history: list[SyncRecord] = []
@@ -284,6 +287,7 @@ class Forks:
             self._step_one(f, scaler)
         if scaler is not None:
             scaler.update()
+        self.fork_steps += len(trained)
         self._advance()
         return norms
 
@@ -525,7 +529,8 @@ class Forks:
         ``Module.state_dict``: save it with ``torch.save``). The global random stream is not in
         it: save it beside it to resume bit for bit."""
         return {"format": _FORMAT, **{k: getattr(self, k) for k in _SETTINGS},
-                "step": self.step_count, "factor": self.factor, "values": dict(self.values),
+                "step": self.step_count, "fork_steps": self.fork_steps, "factor": self.factor,
+                "values": dict(self.values),
                 "knobs": [k.name for k in self.knobs], "decided": self.decided,
                 "initial": self._initial, "decide_at": self._decide_at,
                 "forks": [f.state() for f in self._forks],
@@ -547,6 +552,7 @@ class Forks:
         self._forks, self._clones = forks, clones
         self._parents = [int(s["parent"]) for s in state["clones"]]
         self.step_count, self.factor = int(state["step"]), float(state["factor"])
+        self.fork_steps = int(state["fork_steps"])
         self.values = {k: float(v) for k, v in state["values"].items()}
         self.decided = bool(state["decided"])
         self._initial = state["initial"]

@@ -195,6 +195,8 @@ def test_cuts_keep_the_best_scoring_forks_and_your_run():
         alive.append(len(forks.factors))
     assert alive[:5] == [5] * 5 and alive[5:11] == [3] * 6 and alive[11:39] == [2] * 28 and alive[39] == 1
     assert counts == [(6, "cut"), (12, "cut"), (40, "end")]
+    # 5 forks to step 4, 5 more copies at steps 5-6, 3 forks to 10, 3 copies at 11-12, 2 to the end
+    assert forks.fork_steps == 5 * 4 + 10 * 2 + 3 * 4 + 6 * 2 + 2 * 28 == 3 * 40
     for rec, keep, after in zip(forks.history[:2], (3, 2), (forks.history[1], forks.history[2])):
         factors, scores = rec.values["lr"], rec.scores
         ranked = sorted(range(len(scores)), key=lambda i: (scores[i], abs(math.log(factors[i]))))

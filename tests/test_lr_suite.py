@@ -351,6 +351,10 @@ def test_the_cost_table_times_plain_training_and_each_method_on_the_same_task():
             f"{autolr / plain:.2f} |") in md
     assert "| Forks (s) | Forks / plain | autolr (s) | autolr / plain |" in md
     assert f"`hpx.Forks`: median ratio {forks / plain:.2f}" in md
+    from benchmarks.lr.cost import _STEPS
+
+    steps = _STEPS[("wine_short", "Forks")]  # counted by the run: about 3x plain training's
+    assert 2.5 < steps < 3.5 and f"take {steps:.2f}-{steps:.2f}x plain training's optimizer steps" in md
     assert md.startswith("<!-- lr-cost -->") and md.endswith("<!-- /lr-cost -->")
     # a prototype loop is timed the same way, and named in its table
     (_, _, (halving,)), = measure(["wine_short"], 1, ["halving"])

@@ -29,7 +29,12 @@ from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 ROOT = Path(__file__).resolve().parents[2]
 
 
+_STEPS: dict[tuple[str, str], float] = {}  # (task, method) -> optimizer steps over plain training's
+
+
 def _seconds(name: str, lr: float, method: str) -> float:
+    """The training loop's wall time; a method that counts its optimizer steps (hpx.Forks'
+    ``fork_steps``) leaves their multiple of plain training's in ``_STEPS``."""
     task = get_task(name)
     model = task.model(0)
     opt = task.optimizer(model, lr)
@@ -46,6 +51,8 @@ def _seconds(name: str, lr: float, method: str) -> float:
         for b in batches:
             engine.step(lambda rep, bb: task.loss(rep.model, bb), b)
         engine.converge()
+        if hasattr(engine, "fork_steps"):
+            _STEPS[(name, method)] = engine.fork_steps / task.steps
     return time.perf_counter() - t0
 
 
@@ -94,6 +101,13 @@ def markdown(rows: list[tuple[str, float, list[float]]], repeats: int,
         ratios = sorted(hs[j] / p for _, p, hs in rows)
         lines.append(f"`{_shown(m)}`: median ratio {ratios[len(ratios) // 2]:.2f}, range "
                      f"{ratios[0]:.2f}-{ratios[-1]:.2f}.")
+        steps = sorted(_STEPS[(name, m)] for name, _, _ in rows if (name, m) in _STEPS)
+        if len(steps) == len(rows):  # its optimizer steps, and the wall time beyond them
+            beyond = sorted(hs[j] / p / _STEPS[(name, m)] for name, p, hs in rows)
+            lines.append(f"Its forks and copies take {steps[0]:.2f}-{steps[-1]:.2f}x plain training's "
+                         f"optimizer steps; its wall time over that multiple of plain's is "
+                         f"{beyond[0]:.2f}-{beyond[-1]:.2f} (median {beyond[len(beyond) // 2]:.2f}): the "
+                         "probe passes, copies and the end's test on top of the steps.")
     lines.append("<!-- /lr-cost -->")
     return "\n".join(lines)
 
