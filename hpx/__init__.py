@@ -5,6 +5,10 @@ An implementation of HDET (Hyperparameter-Divergent Ensemble Training): each of
 symmetrically around shared bases (fan-out); every ``T`` steps the replicas'
 weights are averaged (converge) and a zero-order controller moves every base
 toward the better-scoring side.
+
+The recommended way to find the learning rate is :class:`hpx.Forks`: whole runs at
+several multiples of your learning rate, trained beside yours on the same batches, cut
+early, and your run kept unless another beats it on held-out data with confidence.
 """
 
 # Names load on first use (PEP 562), so that ``import hpx`` and the ``hpx`` command do not
