@@ -138,6 +138,17 @@ def _dist_engine(backend: Any, **kw: Any):
                       sync_every=SYNC_EVERY, seed=0, **kw)
 
 
+def _dist_forks(backend: Any) -> Any:
+    """hpx.Forks in the same run: the same model and optimizer, its 5 forks data-parallel over the
+    ranks, scored on held-out digits (rows the training batches never draw)."""
+    import hpx
+
+    model = _model()
+    x, y = _digits()
+    return hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9), total_steps=STEPS,
+                     probe=[(x[1400:1600], y[1400:1600])], backend=backend)
+
+
 def _train(engine: Any, rank: int, world: int, until: int, ckpt: str | None = None,
            fault: tuple[str, int, bool] = ("", -1, False)) -> None:
     """Train to step ``until`` on this rank's share of each batch, saving every SAVE_EVERY steps."""
@@ -156,8 +167,10 @@ def _train(engine: Any, rank: int, world: int, until: int, ckpt: str | None = No
         if armed and kind == "kill" and t == at:
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batches[t]
-        group, blow = engine.replicas[0].optimizer.param_groups[0], armed and kind == "blow-up" and t == at
-        lr, group["lr"] = group["lr"], 1e6 if blow else group["lr"]
+        blow = armed and kind == "blow-up" and t == at
+        if blow:
+            group = engine.replicas[0].optimizer.param_groups[0]
+            lr, group["lr"] = group["lr"], 1e6
         engine.step(loss_fn, (x.tensor_split(world)[rank], y.tensor_split(world)[rank]))
         if blow:
             group["lr"] = lr
@@ -217,7 +230,7 @@ def _worker(args: argparse.Namespace) -> None:
         _finish()
         return
     else:
-        engine = _dist_engine(backend)
+        engine = _dist_forks(backend) if args.forks else _dist_engine(backend)
         torch.manual_seed(100 + rank)  # dropout masks: each rank its own stream (a resume restores it)
         out["resumed_from"] = hpx.load_checkpoint(args.ckpt, engine)
         _train(engine, rank, world, STEPS, args.ckpt, (kind, int(at or -1), armed))
@@ -241,14 +254,15 @@ def _finish() -> None:
     dist.destroy_process_group()
 
 
-def _launch(fault: str, tmp: Path, restarts: int = 1, name: str = "", calm: bool = False) -> dict[str, Any]:
+def _launch(fault: str, tmp: Path, restarts: int = 1, name: str = "", calm: bool = False,
+            forks: bool = False) -> dict[str, Any]:
     """One torchrun run of 2 ranks (restarted ``restarts`` times on a failure); what each rank reported
     (rank 0's at the top level, every rank's under "ranks")."""
-    name = name or fault or "none"
+    name = ("forks-" if forks else "") + (name or fault or "none")
     ckpt, out = tmp / f"ckpt-{name}", tmp / f"out-{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            f"--max-restarts={restarts}", str(Path(__file__).resolve()), "--worker", "--ckpt", str(ckpt),
-           "--out", str(out), "--fault", fault] + ["--calm"] * calm
+           "--out", str(out), "--fault", fault] + ["--calm"] * calm + ["--forks"] * forks
     # restarted gloo workers re-initialise only with this (torch 2.13; pytorch#135712)
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", OMP_NUM_THREADS="1")
     start = time.perf_counter()
@@ -283,18 +297,21 @@ def _failed(r: dict[str, Any]) -> str:
     return f"FAILED: {keep}"
 
 
-def distributed_rows(tmp: Path, faults: list[tuple[str, str]], this_round: bool = False) -> list[Row]:
-    """The kills in ``faults``; with ``this_round``, also issue 20's torchrun scenarios (about 90 s more)."""
-    ref = _launch("", tmp)
+def distributed_rows(tmp: Path, faults: list[tuple[str, str]], this_round: bool = False,
+                     forks: bool = False) -> list[Row]:
+    """The kills in ``faults`` (in a run of hpx.Forks with ``forks``); with ``this_round``, also
+    issue 20's torchrun scenarios (about 90 s more)."""
+    ref = _launch("", tmp, forks=forks)
     if ref.get("returncode") != 0 or "digest" not in ref:
         raise RuntimeError(f"the run without a fault failed:\n{ref.get('log')}")
     rows = []
     for fault, label in faults:
-        r = _launch(fault, tmp)
+        r = _launch(fault, tmp, forks=forks)
         ok = r.get("returncode") == 0 and r.get("digest") == ref["digest"] and r.get("attempt") == 1
         detail = (f"restarted once, resumed from step {r.get('resumed_from')}, final weights bit for bit "
                   f"those of the run without a fault" if ok else _failed(r))
-        rows.append(Row(label, TORCHRUN, 1, int(ok), detail, "restarted by torchrun; " + BITWISE))
+        rows.append(Row(("hpx.Forks: " if forks else "") + label, TORCHRUN, 1, int(ok), detail,
+                        "restarted by torchrun; " + BITWISE))
     if not this_round:
         return rows
     rows += _bad_gradient_rows(tmp, ref)
@@ -765,6 +782,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     ap.add_argument("--fault", default="", help=argparse.SUPPRESS)
     ap.add_argument("--calm", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--forks", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         _worker(args)
@@ -772,6 +790,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="hpx-faults-") as tmp:
         rows = distributed_rows(Path(tmp), DIST_FAULTS, this_round=True)
+        rows += distributed_rows(Path(tmp), [f for f in DIST_FAULTS if f[0] == "kill:23:1"], forks=True)
         torch.set_num_threads(1)  # the in-process runs are tiny: more threads only contend for the cores
         rows += (in_process_rows(Path(tmp)) + mask_rows() + bad_gradient_in_process_rows()
                  + half_finished_rows() + elastic_autolr_rows(Path(tmp)))

@@ -19,6 +19,17 @@ def test_a_rank_killed_in_training_or_inside_a_save_resumes_bit_for_bit(tmp_path
     assert all("resumed from step 20" in r.detail for r in rows)  # the newest step both ranks had
 
 
+@pytest.mark.slow
+def test_a_rank_killed_in_a_forks_run_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """The same kill in an hpx.Forks run (5 forks cut to 2 by step 18 of 60, each data-parallel over
+    the 2 ranks, saved with hpx.save_checkpoint): torchrun restarts both ranks, they resume from
+    step 20 and end bit for bit as the run without a fault, the end's decision included."""
+    faults = [f for f in reliability.DIST_FAULTS if f[0] == "kill:23:1"]
+    rows = reliability.distributed_rows(tmp_path, faults, forks=True)
+    assert [r.survived for r in rows] == [1], [r.detail for r in rows]
+    assert "resumed from step 20" in rows[0].detail
+
+
 def test_in_process_faults_are_survived_or_named(tmp_path: Path) -> None:
     rows = reliability.in_process_rows(tmp_path)
     assert len(rows) == 5
