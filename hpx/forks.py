@@ -244,7 +244,7 @@ class Forks:
         if self._probe_fn is None:
             self._probe_fn = loss_fn
         if self._initial is None and not self.decided:  # before the first step: the initial weights
-            self._initial = self._score(self._forks[0])
+            self._initial = self._scores([self._forks[0]])[0]
         trained = self._trained()
         if self._fresh:
             for f in trained:
@@ -382,7 +382,9 @@ class Forks:
     def _cut(self, keep: int, scored: list[Any]) -> None:
         """Keep the ``keep`` forks whose ``scored`` stand-ins (themselves or annealed copies) score
         best on the probe (ties: the nearer to your run), your run always among them."""
-        scores = [math.inf if c is _LOST else self._score(c) for c in scored]
+        live = [c for c in scored if c is not _LOST]
+        found = iter(self._scores(live) if live else [])
+        scores = [math.inf if c is _LOST else next(found) for c in scored]
         order = self._agreed(_ranked(scores, [f.distance(self._bases) for f in self._forks])[:keep])
         if 0 not in order:
             order = [*order[: keep - 1], 0]
@@ -395,7 +397,7 @@ class Forks:
     def _finish(self) -> None:
         """The end of the run: your run, or the best challenger if it wins with confidence (or your
         run was lost and it was not); the winner is loaded into your objects."""
-        scores = [self._score(f) for f in self._forks]
+        scores = self._scores(self._forks)
         if not any(math.isfinite(s) for s in scores):
             raise NonFiniteError(f"at step {self.step_count} every fork's weights or probe loss are "
                                  f"non-finite ({[f.setting() for f in self._forks]}): lower the "
@@ -452,49 +454,55 @@ class Forks:
 
     # --- the probe ---------------------------------------------------------------------------
 
-    def _probe_losses(self, f: _Fork, units: bool) -> list[torch.Tensor]:
-        """Fork ``f``'s probe loss per batch (a scalar) or per example, in eval mode, without
-        touching the global random stream; per example for every batch with ``units``."""
+    def _probe_losses(self, forks: list[_Fork], units: bool) -> list[list[torch.Tensor]]:
+        """Each fork's probe loss per batch (a scalar) or per example, in eval mode, without
+        touching the global random stream; per example for every batch with ``units``. The probe
+        is read once and every fork scores each batch, so losses pair up even when the probe is a
+        shuffled DataLoader."""
         fn = self._probe_fn
         assert fn is not None
-        model = f.model
-        dev = _device(model)
-        if self.collective.world_size > 1:
-            _average_buffers(model, self.collective)
-        keep, was = _rng_get(dev), model.training
-        model.eval()
-        out = []
+        dev = _device(forks[0].model)
+        keep, was = _rng_get(dev), [f.model.training for f in forks]
+        for f in forks:
+            if self.collective.world_size > 1:
+                _average_buffers(f.model, self.collective)
+            f.model.eval()
+        out: list[list[torch.Tensor]] = [[] for _ in forks]
         try:
             with torch.no_grad():
                 for b in self._probe:
-                    v = _scalar_or_rows(fn(f.replica, b))
                     rows = _rows(b)
-                    if units and v.numel() == 1 and rows > 1:  # one example at a time
-                        v = torch.stack([_scalar_or_rows(fn(f.replica, r)).reshape(())
-                                         for r in _split(b, rows)])
-                    out.append(v.detach().to("cpu", torch.float64))
+                    for f, mine in zip(forks, out):
+                        v = _scalar_or_rows(fn(f.replica, b))
+                        if units and v.numel() == 1 and rows > 1:  # one example at a time
+                            v = torch.stack([_scalar_or_rows(fn(f.replica, r)).reshape(())
+                                             for r in _split(b, rows)])
+                        mine.append(v.detach().to("cpu", torch.float64))
         finally:
-            model.train(was)
+            for f, w in zip(forks, was):
+                f.model.train(w)
             _rng_set(keep, dev)
         return out
 
-    def _score(self, f: _Fork) -> float:
-        """The probe loss: the mean over examples (a loss that gives them) or over batches."""
-        parts = self._probe_losses(f, units=False)
-        if not parts:
-            raise ConfigError(["the probe yielded no batches: give a list of held-out batches (an "
-                               "exhausted generator cannot be iterated again)"])
-        if any(p.numel() > 1 for p in parts):  # losses per example
-            flat = torch.cat([p.reshape(-1) for p in parts])
-        else:
-            flat = torch.stack([p.reshape(()) for p in parts])
-        v = float(flat.mean())
-        return v if math.isfinite(v) else math.inf
+    def _scores(self, forks: list[_Fork]) -> list[float]:
+        """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches."""
+        out = []
+        for parts in self._probe_losses(forks, units=False):
+            if not parts:
+                raise ConfigError(["the probe yielded no batches: give a list of held-out batches (an "
+                                   "exhausted generator cannot be iterated again)"])
+            if any(p.numel() > 1 for p in parts):  # losses per example
+                flat = torch.cat([p.reshape(-1) for p in parts])
+            else:
+                flat = torch.stack([p.reshape(()) for p in parts])
+            v = float(flat.mean())
+            out.append(v if math.isfinite(v) else math.inf)
+        return out
 
     def _gain(self, a: _Fork, b: _Fork) -> float:
         """How many standard errors ``a`` scores below ``b`` on the probe, example by example."""
-        la = torch.cat([p.reshape(-1) for p in self._probe_losses(a, units=True)])
-        lb = torch.cat([p.reshape(-1) for p in self._probe_losses(b, units=True)])
+        pa, pb = self._probe_losses([a, b], units=True)
+        la, lb = torch.cat([p.reshape(-1) for p in pa]), torch.cat([p.reshape(-1) for p in pb])
         return paired_gain(la, lb)
 
     # --- inspection and the end ---------------------------------------------------------------

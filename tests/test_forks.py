@@ -618,3 +618,22 @@ def _ranks_resume(rank: int, world: int, folder: str) -> bool:
 
 def test_forks_resume_from_a_checkpoint_on_two_gloo_ranks(tmp_path):
     assert run_distributed(_ranks_resume, 2, str(tmp_path)) == [True, True]
+
+
+def test_a_shuffled_probe_loader_keeps_the_losses_paired():
+    """The probe as a shuffled DataLoader: each decision reads it once and scores every fork on each
+    batch, so the paired test sees the same pairs as with a fixed list (the same gain)."""
+    gains = []
+    dataset = torch.utils.data.TensorDataset(X[384:512], Y[384:512])
+    shuffled = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=True,  # a new order per pass
+                                           generator=torch.Generator().manual_seed(0))
+    for probe in (PROBE, shuffled):
+        model = _net()
+        torch.manual_seed(3)
+        forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9), total_steps=40,
+                          probe=probe, loss_fn=_per_example, multiples=(0.1, 1.0), cuts=(), confidence=1e9)
+        for b in BATCHES[:40]:
+            forks.step(_loss, b)
+        gains.append((forks.history[-1].scores, forks.history[-1].metrics["gain"]))
+    assert gains[0][0] == pytest.approx(gains[1][0], rel=1e-5)
+    assert gains[0][1] == pytest.approx(gains[1][1], rel=1e-5)
