@@ -17,6 +17,9 @@ losses, or if your run ended no better on the probe than the initial weights did
 while the challenger did. The winner's model, optimizer and scheduler state are then loaded into
 your objects: after the last step ``forks.model`` is your model holding the winner.
 
+Other knobs (``knobs=[hpx.Dropout(spread=0.2), ...]``) add two forks each, at your learning rate,
+with the knob moved by its spread to each side of your value; they are cut and judged as any fork.
+
 Why this design, and what was measured against it, is in ``docs/method.md`` ("A confident end").
 It costs optimizer steps: 5 forks for the first 10% of the run, 3 to 25%, 2 to the end, and the
 annealed copies, about 3x plain training's steps with the default settings; it never averages
