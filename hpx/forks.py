@@ -449,9 +449,12 @@ class Forks:
                          metrics=None if math.isnan(gain) else {"gain": gain})
         self.history.append(rec)
         kept_m = ", ".join(_shown(self._forks[i].setting()) for i in kept)
+        why = "" if math.isnan(gain) else f" (the challenger's gain: {gain:.2f} standard errors)"
+        if 0 < gain < self.confidence:  # the test kept your run: how much more probe would have told
+            why += (f"; a probe about {(self.confidence / gain) ** 2:.3g}x as large would tell a difference "
+                    "this size")
         log.info("forks at step %d (%s): %s scored %s; kept %s%s", self.step_count, phase,
-                 [_shown(f.setting()) for f in self._forks], [round(s, 4) for s in scores], kept_m,
-                 "" if math.isnan(gain) else f" (the challenger's gain: {gain:.2f} standard errors)")
+                 [_shown(f.setting()) for f in self._forks], [round(s, 4) for s in scores], kept_m, why)
         for callback in self._on_sync:
             callback(rec)
 
