@@ -1,4 +1,4 @@
-"""Acceptance benchmark of the recommended setup (``hpx.autolr``) against plain training and a grid.
+"""Acceptance benchmark of the one-run search (``hpx.autolr``) against plain training and a grid.
 
     python -m benchmarks.acceptance            # the real thing; writes its section of docs/benchmarks.md
     python -m benchmarks.acceptance --quick    # CI smoke test: tiny runs, checks the plumbing only
@@ -146,7 +146,7 @@ def section(cfg: SuiteConfig, a: dict, command: str, wall: float) -> str:
     c = a["criteria"]
     mark = lambda ok: "**met**" if ok else "not met"  # noqa: E731
     lines = [
-        "## Acceptance: the recommended setup (`hpx.autolr`) against plain training and the grid",
+        "## Acceptance: the one-run search (`hpx.autolr`) against plain training and the grid",
         "",
         f"Produced by `{command}` (its runs took {wall / 60:.1f} min in all; a resumed run adds up) "
         f"on {report.machine()}.",
@@ -172,7 +172,7 @@ def section(cfg: SuiteConfig, a: dict, command: str, wall: float) -> str:
         f"| 4. no run lost | {', '.join(c['lost']) or 'none'} | none | {mark(c['met']['4. no run lost'])} |",
         "",
         "Criteria 1-3 count the three suite tasks (mlp, charlm, cnn); the gru and tabular tasks are",
-        "reported alike: the recommended setup was not designed on the gru; the tabular task (a few",
+        "reported alike: the one-run search was not designed on the gru; the tabular task (a few",
         "hundred rows trained for 156 epochs) was added to test it where a fast start overfits by the",
         "end, and it is where the setup is weakest. The cnn (plain, its grid and hpx) runs as 4",
         "replicas of 16 examples in one process, as plain DDP on 4 devices would: its BatchNorm",

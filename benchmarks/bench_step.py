@@ -81,8 +81,8 @@ def measure(n: int, rounds: int, reps: int) -> dict[str, float]:
 
 
 def measure_autolr(rounds: int, reps: int) -> dict[str, float]:
-    """``hpx.autolr`` (one model, the recommended setup) against the same plain loop writing its
-    schedule's learning rate each step: the per-step cost of the recommended setup."""
+    """``hpx.autolr`` (one model, the one-run search) against the same plain loop writing its
+    schedule's learning rate each step: the per-step cost of the one-run search."""
     import hpx
 
     model, plain = _model(), _model()
@@ -129,7 +129,7 @@ def section(rows: list[dict[str, float]], wall: float, command: str,
                      f"{1e3 * r['sync_hand']:.2f} | {r['sync_hpx'] / r['sync_hand']:.2f} | "
                      f"{r['amortised']:.3f} |")
     if auto is not None:
-        lines += ["", f"The recommended setup, `hpx.autolr` (one model; its syncs lie in the first 90% of a "
+        lines += ["", f"The one-run search, `hpx.autolr` (one model; its syncs lie in the first 90% of a "
                   f"run and are not timed here), per step against the same plain loop writing its "
                   f"schedule's learning rate: {1e3 * auto['step_hpx']:.2f} ms against "
                   f"{1e3 * auto['step_hand']:.2f} ms, {auto['step_hpx'] / auto['step_hand']:.3f}x."]

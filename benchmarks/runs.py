@@ -171,7 +171,7 @@ def _factory_at(task: Task, lr: float):
 
 
 def _build_autolr(task: Task, spec: RunSpec, model) -> hpx.Engine:
-    """The recommended setup, as a user would write it: hpx.autolr with the task's schedule and
+    """The one-run search, as a user would write it: hpx.autolr with the task's schedule and
     probe split, nothing set per task: one model in one process (autolr's default; it scores its
     4 points in turn), or plain training's layout where the task has one (the BatchNorm CNN)."""
     def probe_fn(rep, batch):

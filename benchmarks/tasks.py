@@ -7,7 +7,7 @@
 * ``cnn``: a small CNN with BatchNorm on the digits images, SGD + momentum; two knobs
   (lr, weight decay). Compared on validation accuracy as well as loss.
 * ``gru``: a character-level GRU on the same text, trained with Adam for a longer run
-  (1000 steps); one knob (lr). Used by the acceptance benchmark of the recommended setup
+  (1000 steps); one knob (lr). Used by the acceptance benchmark of the one-run search
   (``python -m benchmarks.acceptance``), not by the suite.
 
 Every task has a fixed train / probe / validation split (the split does not depend

@@ -95,9 +95,10 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
             ``shared_optimizer_state``): the state is then updated once per step and
             each replica applies the direction with its own learning rate and weight decay.
 
-    The recommended way to build an engine that finds the learning rate is
+    An engine that finds the learning rate within one run's steps is built by
     :func:`hpx.autolr`, which picks the strategy, spread, sync schedule and
-    signal from the run's length.
+    signal from the run's length (the recommended search is :class:`hpx.Forks`, which
+    trains whole runs beside yours instead).
 
     Example::
 

@@ -1,5 +1,7 @@
-"""The recommended setup: :func:`autolr` turns a run's model, optimizer and schedule into an
-engine whose replicas find the learning rate.
+"""The one-run learning-rate search: :func:`autolr` turns a run's model, optimizer and schedule
+into an engine whose replicas find the learning rate within the run's own steps (the recommended
+search, :class:`hpx.Forks`, trains whole runs beside yours instead: about 3x the steps, and
+measured to do less harm; see docs/method.md).
 
 Nothing has to be tuned:
 

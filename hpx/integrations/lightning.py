@@ -60,7 +60,7 @@ __all__ = ["AutoLR"]
 
 
 class AutoLR(pl.Callback):
-    """Find the learning rate while Lightning trains (the recommended setup, :func:`hpx.autolr`).
+    """Find the learning rate while Lightning trains (:func:`hpx.autolr`, the one-run search).
 
     Args:
         loss_fn: ``loss_fn(module, batch) -> loss``: how a replica is scored on a held-out batch

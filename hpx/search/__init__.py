@@ -6,7 +6,7 @@ The engine calls one strategy at every sync through a small interface
 
 * :class:`Stretch`: score the run's whole displacement shrunk and stretched, and
   move the learning rate toward the scale it says is best, early in the run, then
-  hold (what :func:`hpx.autolr`, the recommended setup, uses);
+  hold (what :func:`hpx.autolr`, the one-run search, uses);
 * :class:`HDET`: the paper's zero-order hypergradient controller at every sync
   (hpx's log-space variant by default; the paper's exact rule with a
   ``Controller(space="linear", temperature=0.1, debias=False)``);
