@@ -20,7 +20,7 @@ import torch
 
 from benchmarks.lr.__main__ import GRIDS, SEEDS, _load, best_of_grid, cells, grid_lrs, verdict
 from benchmarks.lr.run import Run, execute
-from benchmarks.lr.tasks import HELD_OUT, TASKS
+from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
 
 def test_the_suite_covers_what_the_issue_asks_for():
@@ -517,3 +517,23 @@ def test_agreement_counts_the_cells_both_methods_ran_and_names_those_that_differ
          "t|B|1|0": {"val": None, "end_lr": 1.0}, "t|B|10|0": {"val": 1.0, "end_lr": 3.16}}
     both, differ = agreement("A", "B", a, b)
     assert both == 4 and differ == ["t|A|0.1|1", "t|A|10|0"]
+
+
+def test_the_coexplore_forks_route_ends_at_a_fork_of_the_lr_or_of_the_knob():
+    """The co-exploration benchmark's forks route (hpx.Forks with the dropout knob forked), on a short
+    run: it ends at one fork's setting, an lr multiple at the start's dropout or a dropout 0.2 away
+    at the start's lr."""
+    from benchmarks.lr import coexplore
+
+    task = replace(get_task("moons_dropout"), steps=30)
+    model = task.model(0)
+    opt = task.optimizer(model, 3e-3)
+    sched = task.scheduler(opt)
+    coexplore._set_knob(model, opt, "dropout", 0.3)
+    gen = torch.Generator().manual_seed(0)
+    final, out = coexplore._forks_route(task, model, opt, sched, [task.sample(gen) for _ in range(30)],
+                                        "dropout", 3e-3)
+    settings = [(3e-3 * 10 ** (k / 2), 0.3) for k in range(-2, 3)] + [(3e-3, 0.1), (3e-3, 0.5)]
+    assert any(out["lr"] == pytest.approx(lr) and out["knob"] == pytest.approx(p) for lr, p in settings)
+    assert final is model and all(m.p == pytest.approx(out["knob"]) for m in model.modules()
+                                  if isinstance(m, torch.nn.Dropout))
