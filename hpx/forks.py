@@ -388,14 +388,15 @@ class Forks:
         live = [c for c in scored if c is not _LOST]
         found = iter(self._scores(live) if live else [])
         scores = [math.inf if c is _LOST else next(found) for c in scored]
-        order = self._agreed(_ranked(scores, [f.distance(self._bases) for f in self._forks])[:keep])
+        order = _ranked(scores, [f.distance(self._bases) for f in self._forks])[:keep]
         if 0 not in order:
             order = [*order[: keep - 1], 0]
         order = [i for i in order if i == 0 or math.isfinite(scores[i])]  # a blown-up challenger goes
-        if not math.isfinite(scores[0]):
+        order, lost = self._agreed((sorted(order), not math.isfinite(scores[0])))
+        if lost:
             self._forks[0].lost = True  # kept for the final comparison, no longer trained
-        self._record("cut", scores, sorted(order))
-        self._forks = [self._forks[i] for i in sorted(order)]
+        self._record("cut", scores, order)
+        self._forks = [self._forks[i] for i in order]
 
     def _finish(self) -> None:
         """The end of the run: your run, or the best challenger if it wins with confidence (or your
@@ -414,7 +415,7 @@ class Forks:
                 gain = self._gain(self._forks[best], self._forks[0])
                 if gain < self.confidence:
                     best = 0
-        best = self._agreed([best])[0]
+        best = self._agreed(best)
         self._record("end", scores, [best], gain)
         self._adopt(best)
 
@@ -431,11 +432,11 @@ class Forks:
         self._forks = [start]
         self.factor, self.values, self.decided = start.factor, dict(start.values), True
 
-    def _agreed(self, order: list[int]) -> list[int]:
+    def _agreed(self, decision: Any) -> Any:
         """Rank 0's decision on every rank (they score the same weights, but a decision must be one)."""
         if self.collective.world_size == 1:
-            return order
-        return list(self.collective.broadcast_object(order, 0))  # type: ignore[call-overload]
+            return decision
+        return self.collective.broadcast_object(decision, 0)
 
     def _record(self, phase: str, scores: list[float], kept: list[int], gain: float = math.nan) -> None:
         factors = [f.factor for f in self._forks]
