@@ -641,3 +641,25 @@ def test_a_shuffled_probe_loader_keeps_the_losses_paired():
         gains.append((forks.history[-1].scores, forks.history[-1].metrics["gain"]))
     assert gains[0][0] == pytest.approx(gains[1][0], rel=1e-5)
     assert gains[0][1] == pytest.approx(gains[1][1], rel=1e-5)
+
+
+def test_a_batchnorm_winner_brings_its_running_statistics_and_adams_step():
+    """The winner's buffers (BatchNorm's running statistics and num_batches_tracked) and its Adam
+    state (the step count included) are what your model and optimizer hold after the end."""
+    def bn_net():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+
+    model = bn_net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    forks = hpx.Forks(model, opt, total_steps=30, probe=PROBE, multiples=(1.0, 100.0), cuts=(), confidence=0)
+    for b in BATCHES[:30]:
+        forks.step(_loss, b)
+    assert forks.factor == 100.0  # Adam at 1e-4 is too slow for 30 steps here: the faster fork wins
+    ref = bn_net()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-4 * 100.0)
+    _plain(ref, ref_opt, None, BATCHES[:30])
+    assert _same(model, ref) and int(model[1].num_batches_tracked) == 30
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert all(torch.equal(got[k]["step"], want[k]["step"])
+               and torch.equal(got[k]["exp_avg_sq"], want[k]["exp_avg_sq"]) for k in want)
