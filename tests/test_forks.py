@@ -275,18 +275,22 @@ def test_a_state_from_other_settings_is_refused_and_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(before.values(), other_model.state_dict().values()))
 
 
+def _end_test(probe, loss_fn) -> tuple[list[float], float]:
+    """The end's scores and the challenger's gain of a 40-step run kept by a confidence no gain
+    reaches (0.1x against your SGD run), with this probe and probe loss."""
+    model = _net()
+    torch.manual_seed(3)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9), total_steps=40,
+                      probe=probe, loss_fn=loss_fn, multiples=(0.1, 1.0), cuts=(), confidence=1e9)
+    for b in BATCHES[:40]:
+        forks.step(_loss, b)
+    return forks.history[-1].scores, forks.history[-1].metrics["gain"]
+
+
 def test_per_example_losses_give_the_same_test_as_one_example_at_a_time():
     """A probe loss that returns every example's loss, and one that returns the batch mean (hpx then
     scores one example at a time), give the same scores and the same paired test."""
-    gains = []
-    for fn in (_loss, _per_example):
-        model = _net()
-        torch.manual_seed(3)
-        forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9), total_steps=40,
-                          probe=PROBE, loss_fn=fn, multiples=(0.1, 1.0), cuts=(), confidence=1e9)
-        for b in BATCHES[:40]:
-            forks.step(_loss, b)
-        gains.append((forks.history[-1].scores, forks.history[-1].metrics["gain"]))
+    gains = [_end_test(PROBE, fn) for fn in (_loss, _per_example)]
     assert gains[0][0] == pytest.approx(gains[1][0], rel=1e-6)
     assert gains[0][1] == pytest.approx(gains[1][1], rel=1e-5)
 
@@ -627,18 +631,10 @@ def test_forks_resume_from_a_checkpoint_on_two_gloo_ranks(tmp_path):
 def test_a_shuffled_probe_loader_keeps_the_losses_paired():
     """The probe as a shuffled DataLoader: each decision reads it once and scores every fork on each
     batch, so the paired test sees the same pairs as with a fixed list (the same gain)."""
-    gains = []
     dataset = torch.utils.data.TensorDataset(X[384:512], Y[384:512])
     shuffled = torch.utils.data.DataLoader(dataset, batch_size=16, shuffle=True,  # a new order per pass
                                            generator=torch.Generator().manual_seed(0))
-    for probe in (PROBE, shuffled):
-        model = _net()
-        torch.manual_seed(3)
-        forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9), total_steps=40,
-                          probe=probe, loss_fn=_per_example, multiples=(0.1, 1.0), cuts=(), confidence=1e9)
-        for b in BATCHES[:40]:
-            forks.step(_loss, b)
-        gains.append((forks.history[-1].scores, forks.history[-1].metrics["gain"]))
+    gains = [_end_test(probe, _per_example) for probe in (PROBE, shuffled)]
     assert gains[0][0] == pytest.approx(gains[1][0], rel=1e-5)
     assert gains[0][1] == pytest.approx(gains[1][1], rel=1e-5)
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.lr.tasks import Task
+from hpx._forks import paired_gain as _gain
 
 __all__ = ["LOOPS", "paired_gain", "probe_at", "probe_loss"]
 
@@ -286,16 +287,7 @@ def paired_gain(task: Task, model_a: torch.nn.Module, weights_a: list[torch.Tens
     """How many standard errors ``a`` scores below ``b`` on the probe, example by example: the mean
     of ``loss_b - loss_a`` over the probe's units over its standard error (``inf`` when ``b`` is
     not finite and ``a`` is, ``-inf`` the other way round, 0 when they are equal everywhere)."""
-    la, lb = _unit_losses(task, model_a, weights_a), _unit_losses(task, model_b, weights_b)
-    fa, fb = bool(torch.isfinite(la).all()), bool(torch.isfinite(lb).all())
-    if not (fa and fb):
-        return math.inf if fa else -math.inf
-    d = lb - la
-    se = float(d.std()) / math.sqrt(len(d)) if len(d) > 1 else 0.0
-    mean = float(d.mean())
-    if se == 0.0:
-        return 0.0 if mean == 0.0 else math.copysign(math.inf, mean)
-    return mean / se
+    return _gain(_unit_losses(task, model_a, weights_a), _unit_losses(task, model_b, weights_b))
 
 
 def _scored(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> float:
