@@ -1,12 +1,12 @@
 """The parts of :class:`hpx.Forks` that are not the search itself: one fork (a whole run), the
-paired test, the random streams, the probe's losses per example and the checks of the settings."""
+paired test, the common random draws, the probe's losses per example and the checks of the settings."""
 
 from __future__ import annotations
 
 import copy
 import itertools
 import math
-from collections.abc import Iterable, Sequence, Sized
+from collections.abc import Callable, Iterable, Sequence, Sized
 from numbers import Integral, Real
 from typing import Any
 
@@ -14,27 +14,27 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from hpx import _checks
+from hpx._step import _split
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError
 from hpx.knobs.base import Knob
 from hpx.replica import Replica
 from hpx.signals import LossFn, _leaves, _one_batch_problems
 
-_FORMAT = "hpx.forks/1"
+_FORMAT = "hpx.forks/2"
 _SETTINGS = ("total_steps", "multiples", "cuts", "cool", "confidence")
 
 
 class _Fork:
     """One whole run: a replica (model, optimizer), its scheduler, its lr multiple ``factor``, the
-    values of the other knobs it trains with, its random stream (``None``: the global one, for your
-    run) and, for an annealed copy, its ramp ``(first step, length)``."""
+    values of the other knobs it trains with and, for an annealed copy, its ramp ``(first step,
+    length)``."""
 
-    __slots__ = ("factor", "lost", "ramp", "replica", "rng", "scheduler", "values")
+    __slots__ = ("factor", "lost", "ramp", "replica", "scheduler", "values")
 
     def __init__(self, factor: float, replica: Replica, scheduler: LRScheduler | None,
-                 rng: dict[str, Any] | None, ramp: tuple[int, int] | None = None,
-                 values: dict[str, float] | None = None) -> None:
-        self.factor, self.replica, self.scheduler, self.rng, self.ramp = factor, replica, scheduler, rng, ramp
+                 ramp: tuple[int, int] | None = None, values: dict[str, float] | None = None) -> None:
+        self.factor, self.replica, self.scheduler, self.ramp = factor, replica, scheduler, ramp
         self.values: dict[str, float] = dict(values or {})
         self.lost = False  # non-finite at a cut: no longer trained (only your run is kept so)
         replica._values["lr"] = factor
@@ -66,18 +66,18 @@ class _Fork:
                 setter(self.values[k.name])
             self.replica._values[k.name] = self.values[k.name]
 
-    def copied(self, index: int, rng: dict[str, Any] | None, ramp: tuple[int, int] | None = None,
+    def copied(self, index: int, ramp: tuple[int, int] | None = None,
                factor: float | None = None, values: dict[str, float] | None = None) -> _Fork:
         """A deep copy of this fork's model, optimizer and scheduler (one copy: the optimizer holds
         the copied model's parameters and the scheduler the copied optimizer), at ``factor`` and
         ``values`` (default: this fork's; write them with :meth:`apply`)."""
         model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler))
-        return _Fork(self.factor if factor is None else factor, Replica(index, model, opt), sched, rng, ramp,
+        return _Fork(self.factor if factor is None else factor, Replica(index, model, opt), sched, ramp,
                      self.values if values is None else values)
 
     def state(self, parent: int | None = None) -> dict[str, Any]:
         return {"factor": self.factor, "values": dict(self.values), "lost": self.lost, "ramp": self.ramp,
-                "rng": self.rng, "parent": parent, "model": self.model.state_dict(),
+                "parent": parent, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
 
@@ -86,7 +86,7 @@ class _Fork:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
-        self.factor, self.lost, self.rng = float(state["factor"]), bool(state["lost"]), state["rng"]
+        self.factor, self.lost = float(state["factor"]), bool(state["lost"])
         self.values = {k: float(v) for k, v in state["values"].items()}
         self.ramp = None if state["ramp"] is None else (int(state["ramp"][0]), int(state["ramp"][1]))
         self.apply(knobs)
@@ -172,6 +172,58 @@ def _forward_backward(f: _Fork, loss_fn: LossFn, batch: Any, scale: float, scale
         raise ConfigError([_checks.no_grad_problem(f.model, loss, f.replica.index)])
     (scaler.scale(out) if scaler is not None else out).backward()
     return loss.detach().reshape(())
+
+
+def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collective: Collective, units: bool,
+                 averaged: list[_Fork]) -> list[list[torch.Tensor]]:
+    """Each fork's probe loss per batch (a scalar) or per example, in eval mode, without touching
+    the global random stream; per example for every batch with ``units`` (a loss that gives one
+    number per batch is then evaluated one example at a time). The probe is read once and every
+    fork scores each batch, so losses pair up even when the probe is a shuffled DataLoader. Under
+    torch.distributed the floating buffers of the forks in ``averaged`` are averaged over the ranks
+    first."""
+    dev = _device(forks[0].model)
+    keep, was = _rng_get(dev), [f.model.training for f in forks]
+    for f in forks:
+        if collective.world_size > 1 and any(f is a for a in averaged):
+            _average_buffers(f.model, collective)
+        f.model.eval()
+    out: list[list[torch.Tensor]] = [[] for _ in forks]
+    try:
+        with torch.no_grad():
+            for b in probe:
+                rows = _rows(b)
+                for f, mine in zip(forks, out):
+                    v = _scalar_or_rows(fn(f.replica, b))
+                    if units and v.numel() == 1 and rows > 1:  # one example at a time
+                        v = torch.stack([_scalar_or_rows(fn(f.replica, r)).reshape(())
+                                         for r in _split(b, rows)])
+                    mine.append(v.detach().to("cpu", torch.float64))
+    finally:
+        for f, w in zip(forks, was):
+            f.model.train(w)
+        _rng_set(keep, dev)
+    return out
+
+
+def common_draws(device: torch.device, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Every call's result, each call made from the global random stream as it was before the first
+    (the CPU's and ``device``'s), the stream then left as the first call left it. So at every step
+    each fork draws the random numbers your run draws (its dropout masks), which are those plain
+    training at the fork's multiple would draw, whatever else takes from the stream between steps
+    (a DataLoader's shuffle): common random numbers, which also pair the forks' comparison."""
+    if len(calls) < 2:
+        return [c() for c in calls]
+    before = _rng_get(device)
+    out = [calls[0]()]
+    after = _rng_get(device)
+    try:
+        for c in calls[1:]:
+            _rng_set(before, device)
+            out.append(c())
+    finally:
+        _rng_set(after, device)
+    return out
 
 
 def _scalar_or_rows(v: Any) -> torch.Tensor:

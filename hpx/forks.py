@@ -4,8 +4,9 @@ The run is forked at its start into whole runs at several multiples ``m`` of the
 (default ``0.1, 0.32, 1, 3.2, 10``), each a plain run of your model, optimizer and schedule on the
 same batches. The fork at ``m = 1`` is your run itself: your model, optimizer and scheduler, and
 the global random stream (dropout draws) as plain training would use it. Every other fork starts
-from copies of them and from a copy of the random stream as it was at the start, so all forks see
-the same batches and the same draws.
+from copies of them, and at every step draws the random numbers your run draws (the stream is
+rewound for it), so all forks see the same batches and the same draws: those plain training at the
+fork's multiple would see.
 
 At 10% of the run the forks are cut to 3, at 25% to 2 (your run and the best challenger), each
 cut scored on held-out batches (``probe``) at a copy of every fork annealed over the next 5% of
@@ -52,22 +53,18 @@ from hpx._forks import (
     _FORMAT,
     _LOST,
     _SETTINGS,
-    _average_buffers,
     _device,
     _Fork,
     _forward_backward,
     _ranked,
-    _rng_get,
-    _rng_set,
-    _rows,
-    _scalar_or_rows,
     _settings_problems,
+    common_draws,
     knob_values,
     knobs_problems,
     paired_gain,
+    probe_losses,
     state_problems,
 )
-from hpx._step import _split
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError, NonFiniteError
@@ -203,11 +200,10 @@ class Forks:
         start = _Fork(1.0, Replica(0, model, optimizer), schedule, None)
         start.values = dict(bases)
         start.apply(self.knobs)
-        # every other fork starts from a copy of your run and of the random stream as it is now
-        rng = _rng_get(_device(model))
+        # every other fork starts from a copy of your run
         self._forks: list[_Fork] = [start]
         for i, (m, values) in enumerate(settings, 1):
-            self._forks.append(start.copied(i, rng, factor=m, values=values))
+            self._forks.append(start.copied(i, factor=m, values=values))
             self._forks[-1].apply(self.knobs)
         self._bases = bases
         self._clones: list[_Fork] = []  # a cut's annealed copies, one per fork, while they train
@@ -222,6 +218,7 @@ class Forks:
         self.step_count = 0
         self.fork_steps = 0  # optimizer steps of every fork and copy: the search's cost in steps
         self._fresh = True  # no backward yet in this optimizer step
+        self._outside = False  # your run is trained by a framework (the Hugging Face Trainer), not here
         self._warned = False
         self.history: list[SyncRecord] = []
 
@@ -237,8 +234,8 @@ class Forks:
 
     def backward(self, loss_fn: LossFn, batch: Any, *, scale: float = 1.0,
                  scaler: Any = None) -> torch.Tensor:
-        """Forward and backward of every fork on the whole ``batch``, each in its own random
-        stream; gradients add up until :meth:`optimizer_step` (call once per micro-batch to
+        """Forward and backward of every fork on the whole ``batch``, each drawing the random numbers
+        your run draws; gradients add up until :meth:`optimizer_step` (call once per micro-batch to
         accumulate, with ``scale = 1 / k``; ``scaler``: a ``torch.amp.GradScaler``). Returns the
         forks' unscaled losses, as :meth:`step` (``nan`` for your run once it is lost: no longer
         trained)."""
@@ -246,17 +243,10 @@ class Forks:
                       + _checks.batch_problems(batch, None))
         if self._probe_fn is None:
             self._probe_fn = loss_fn
-        if self._initial is None and not self.decided:  # before the first step: the initial weights
-            self._initial = self._scores([self._forks[0]])[0]
-        trained = self._trained()
-        if self._fresh:
-            for f in trained:
-                f.optimizer.zero_grad(set_to_none=True)
-            self._fresh = False
-        losses = {}
-        for f in trained:
-            losses[id(f)] = self._in_stream(f, lambda f=f: _forward_backward(f, loss_fn, batch, scale,
-                                                                             scaler))
+        trained = self._open()
+        calls = [lambda f=f: _forward_backward(f, loss_fn, batch, scale, scaler) for f in trained]
+        found = common_draws(_device(self._forks[0].model), calls)
+        losses = {id(f): v for f, v in zip(trained, found)}
         if all(id(f) in losses for f in self._forks):
             return torch.stack([losses[id(f)] for f in self._forks])
         lost = torch.full((), math.nan, device=_device(self._forks[0].model))  # your run, no longer trained
@@ -290,25 +280,27 @@ class Forks:
             self._step_one(f, scaler)
         if scaler is not None:
             scaler.update()
-        self.fork_steps += len(trained)
+        self.fork_steps += len(trained) + self._outside  # a framework's step of your run counts too
         self._advance()
         return norms
 
-    def _trained(self) -> list[_Fork]:
-        return [f for f in self._forks if not f.lost] + self._clones
+    def _open(self) -> list[_Fork]:
+        """The forks a backward trains, their gradients cleared at an optimizer step's first
+        micro-batch (and before the first step, the initial weights' probe loss)."""
+        if self._initial is None and not self.decided:
+            self._initial = self._scores([self._forks[0]])[0]
+        trained = self._trained()
+        if self._fresh:
+            for f in trained:
+                f.optimizer.zero_grad(set_to_none=True)
+            self._fresh = False
+        return trained
 
-    def _in_stream(self, f: _Fork, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``fn()`` with the global random stream set to fork ``f``'s (yours: left as it is)."""
-        if f.rng is None:
-            return fn()
-        dev = _device(f.model)
-        keep = _rng_get(dev)
-        _rng_set(f.rng, dev)
-        try:
-            return fn()
-        finally:
-            f.rng = _rng_get(dev)
-            _rng_set(keep, dev)
+    def _trained(self) -> list[_Fork]:
+        """The forks hpx trains: all but a lost run of yours (and yours when a framework trains it,
+        ``_outside``), and the annealed copies in flight."""
+        start = self._forks[0]
+        return [f for f in self._forks if not f.lost and not (f is start and self._outside)] + self._clones
 
     @torch.no_grad()
     def _reduce(self, trained: list[_Fork]) -> None:
@@ -363,9 +355,8 @@ class Forks:
         if keep is not None and keep < len(self._forks):
             k = min(max(1, round(self.cool * self.total_steps)), self.total_steps - s) if self.cool > 0 else 0
             if k > 0:  # anneal a copy of every fork over the next k steps, then decide on them
-                dev = _device(self._forks[0].model)
-                self._clones = [f.copied(len(self._forks) + i, _rng_get(dev) if f.rng is None else f.rng,
-                                         ramp=(s, k)) for i, f in enumerate(self._forks) if not f.lost]
+                self._clones = [f.copied(len(self._forks) + i, ramp=(s, k))
+                                for i, f in enumerate(self._forks) if not f.lost]
                 self._parents = [i for i, f in enumerate(self._forks) if not f.lost]
                 self._decide_at = (s + k, keep)
             else:
@@ -462,34 +453,12 @@ class Forks:
     # --- the probe ---------------------------------------------------------------------------
 
     def _probe_losses(self, forks: list[_Fork], units: bool) -> list[list[torch.Tensor]]:
-        """Each fork's probe loss per batch (a scalar) or per example, in eval mode, without
-        touching the global random stream; per example for every batch with ``units``. The probe
-        is read once and every fork scores each batch, so losses pair up even when the probe is a
-        shuffled DataLoader."""
-        fn = self._probe_fn
-        assert fn is not None
-        dev = _device(forks[0].model)
-        keep, was = _rng_get(dev), [f.model.training for f in forks]
-        for f in forks:
-            if self.collective.world_size > 1:
-                _average_buffers(f.model, self.collective)
-            f.model.eval()
-        out: list[list[torch.Tensor]] = [[] for _ in forks]
-        try:
-            with torch.no_grad():
-                for b in self._probe:
-                    rows = _rows(b)
-                    for f, mine in zip(forks, out):
-                        v = _scalar_or_rows(fn(f.replica, b))
-                        if units and v.numel() == 1 and rows > 1:  # one example at a time
-                            v = torch.stack([_scalar_or_rows(fn(f.replica, r)).reshape(())
-                                             for r in _split(b, rows)])
-                        mine.append(v.detach().to("cpu", torch.float64))
-        finally:
-            for f, w in zip(forks, was):
-                f.model.train(w)
-            _rng_set(keep, dev)
-        return out
+        """Each fork's probe loss per batch (a scalar) or per example (``units``): see
+        :func:`hpx._forks.probe_losses`. Your run's buffers are left as they are when a framework
+        trains it (its own data-parallel wrapper keeps them)."""
+        assert self._probe_fn is not None
+        averaged = [f for f in forks if not (self._outside and f is self._forks[0])]
+        return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged)
 
     def _scores(self, forks: list[_Fork]) -> list[float]:
         """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches."""
@@ -539,7 +508,7 @@ class Forks:
         return self.model
 
     def state_dict(self) -> dict[str, Any]:
-        """Every fork's model, optimizer, scheduler and random stream, the annealed copies in
+        """Every fork's model, optimizer and scheduler, the annealed copies in
         flight, and the search's own state (it holds references to live tensors, as
         ``Module.state_dict``: save it with ``torch.save``). The global random stream is not in
         it: save it beside it to resume bit for bit."""
@@ -558,10 +527,10 @@ class Forks:
         ConfigError.check(self._load_problems(state))
         start = self._forks[0]
         start.load(state["forks"][0], self.knobs)
-        forks = [start] + [start.copied(i, None) for i in range(1, len(state["forks"]))]
+        forks = [start] + [start.copied(i) for i in range(1, len(state["forks"]))]
         for f, s in zip(forks[1:], state["forks"][1:]):
             f.load(s, self.knobs)
-        clones = [start.copied(len(forks) + i, None) for i in range(len(state["clones"]))]
+        clones = [start.copied(len(forks) + i) for i in range(len(state["clones"]))]
         for c, s in zip(clones, state["clones"]):
             c.load(s, self.knobs)
         self._forks, self._clones = forks, clones

@@ -136,6 +136,31 @@ def test_a_winner_is_plain_training_at_its_multiple_loaded_into_your_objects():
     assert forks.factors == [best]
 
 
+def test_a_winner_draws_what_plain_training_draws_when_the_loader_shuffles_with_the_global_stream():
+    """Between steps a DataLoader that shuffles without its own generator takes from the global
+    stream that dropout draws from; every fork draws at each step what your run draws there, so a
+    winner is still plain training at its multiple bit for bit (dropout masks included)."""
+    data = torch.utils.data.TensorDataset(X[:96], Y[:96])
+
+    def batches():  # 4 epochs of 6 batches, each epoch's order drawn from the global stream
+        for _ in range(4):
+            yield from torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
+
+    model = _net(p=0.3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9)
+    torch.manual_seed(5)
+    forks = hpx.Forks(model, opt, total_steps=24, probe=PROBE, multiples=(0.25, 1.0), cuts=(), confidence=0)
+    for b in batches():
+        forks.step(_loss, b)
+    runs = {}
+    for m in (0.25, 1.0):
+        ref = _net(p=0.3)
+        torch.manual_seed(5)
+        runs[m] = _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.03 * m, momentum=0.9), None, batches())
+    assert forks.factor == 0.25 and _probe_loss(runs[0.25]) < _probe_loss(runs[1.0])  # the challenger won
+    assert _same(model, runs[0.25])
+
+
 def test_the_confidence_test_keeps_your_run_when_the_probe_cannot_tell(caplog):
     """Same scenario, confidence 1e9: the challenger scores better but cannot win by a billion
     standard errors, so your run stays and equals plain training at your lr; the log line says how

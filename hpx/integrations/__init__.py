@@ -1,6 +1,7 @@
 """Integrations with training frameworks. Each module imports its framework only when used:
-``hpx.integrations.lightning`` (PyTorch Lightning) and ``hpx.integrations.transformers``
-(the Hugging Face ``Trainer``)."""
+``hpx.integrations.lightning`` (PyTorch Lightning: the ``AutoLR`` callback) and
+``hpx.integrations.transformers`` (the Hugging Face ``Trainer``: ``ForksTrainer``, and the
+``AutoLR`` callback)."""
 
 from __future__ import annotations
 

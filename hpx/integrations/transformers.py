@@ -1,7 +1,16 @@
-"""hpx inside the Hugging Face ``Trainer``: a callback that turns the Trainer's data-parallel
-processes into replicas that find the learning rate (:func:`hpx.autolr`'s search).
+"""hpx inside the Hugging Face ``Trainer``.
 
-::
+The recommended way is :class:`ForksTrainer`, the ``Trainer`` with :class:`hpx.Forks`: whole runs
+at several multiples of your learning rate trained beside yours, and yours kept unless another is
+better on the probe with confidence::
+
+    from hpx.integrations.transformers import ForksTrainer
+
+    trainer = ForksTrainer(model=model, args=args, train_dataset=train, probe=val_batches)
+    trainer.train()                                   # the model holds the winner afterwards
+
+The alternative, :class:`AutoLR`, is a callback that turns the Trainer's data-parallel processes
+into replicas that find the learning rate within one run (:func:`hpx.autolr`'s search)::
 
     from hpx.integrations.transformers import AutoLR
 
@@ -54,7 +63,7 @@ from typing import Any
 import torch
 
 try:
-    from transformers import TrainerCallback
+    from transformers import Trainer, TrainerCallback
 except ImportError as e:  # pragma: no cover - exercised only without transformers installed
     raise ImportError("hpx.integrations.transformers needs transformers: pip install transformers") from e
 
@@ -62,7 +71,7 @@ from hpx.errors import ConfigError
 from hpx.integrations import _callback_problems, _lr
 from hpx.sync_record import SyncRecord
 
-__all__ = ["AutoLR"]
+__all__ = ["AutoLR", "ForksTrainer"]
 
 _STATE_FILE = "hpx_rank{rank}.pt"
 
@@ -208,3 +217,184 @@ def _callers() -> tuple[Any, str | None]:
             break
         frame = frame.f_back
     return handler, None if resumed is None else os.fspath(resumed)
+
+
+_FORKS_FILE = "hpx_forks_rank{rank}.pt"
+_FORKS_SETTINGS = ("multiples", "cuts", "cool", "confidence", "knobs", "on_sync")
+
+
+class ForksTrainer(Trainer):
+    """The Hugging Face ``Trainer`` with :class:`hpx.Forks`, the recommended learning-rate search:
+    the Trainer trains your run as it always does, and hpx trains the other forks (copies of the
+    model at other multiples of the learning rate) on the same batches beside it, cuts them, and
+    at the end of the run keeps yours unless a challenger is better on the probe with confidence;
+    the winner is then loaded into the Trainer's model, optimizer and scheduler.
+
+    Args:
+        *args, **kwargs: the ``Trainer``'s own (``model``, ``args``, ``train_dataset``, ...).
+        probe: held-out batches the forks are scored on (a few collated validation batches, with
+            labels; every process must hold the same ones).
+        probe_loss: ``probe_loss(model, batch) -> loss`` on a probe batch (the loss of every
+            example, or one number); default: the loss the model returns, ``model(**batch)["loss"]``.
+        forks: other :class:`hpx.Forks` settings (``multiples``, ``cuts``, ``cool``,
+            ``confidence``, ``knobs``, ``on_sync``).
+
+    :attr:`forks` is the :class:`hpx.Forks` once training has begun. The forks train through the
+    Trainer's own ``training_step`` and ``compute_loss`` (a ``compute_loss`` you override, label
+    smoothing and ``compute_loss_func`` included), with its gradient accumulation and its
+    ``max_grad_norm`` clipping; under ``torchrun`` each fork is data-parallel over the processes as
+    your run is under the Trainer's DDP. Each decision is logged as the Trainer logs
+    (``hpx/lr_multiple``, the multiple your run trains at after it, and ``hpx/probe_loss/<fork>``),
+    and hpx's state is saved beside every checkpoint (``checkpoint-N/hpx_forks_rank{r}.pt``) and
+    restored from the one ``train(resume_from_checkpoint=...)`` names. ``fp16`` (a gradient
+    scaler shared between the forks), DeepSpeed and FSDP are refused with a message; ``bf16`` works.
+    """
+
+    def __init__(self, *args: Any, probe: Iterable[Any],
+                 probe_loss: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None,
+                 forks: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        settings = dict(forks or {}) if isinstance(forks, (dict, type(None))) else None
+        problems = [f"forks must be a dict of hpx.Forks settings ({', '.join(_FORKS_SETTINGS)}; got "
+                    f"{type(forks).__name__})" for _ in [0] if settings is None]
+        problems += [f"unknown forks setting {key!r}: ForksTrainer takes {', '.join(_FORKS_SETTINGS)} (the "
+                     "model, optimizer, schedule, total_steps and backend come from the Trainer)"
+                     for key in (settings or {}) if key not in _FORKS_SETTINGS]
+        if probe_loss is not None and not callable(probe_loss):
+            problems.append(f"probe_loss must be a function (model, batch) -> loss, or None (got "
+                            f"{type(probe_loss).__name__})")
+        if probe is None or not isinstance(probe, Iterable):
+            problems.append(f"probe must be held-out batches (a list of a few collated validation batches; "
+                            f"got {type(probe).__name__})")
+        ConfigError.check(problems)
+        super().__init__(*args, **kwargs)
+        self.probe, self.probe_loss, self.forks_settings = probe, probe_loss, settings or {}
+        self.forks: Any = None
+        self._resume: Any = None
+        self.add_callback(_ForksEvents(self))
+
+    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        self._resume = resume_from_checkpoint  # where hpx's state is read back from
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """The Trainer's schedule, built on the torch optimizer itself (not accelerate's wrapper of
+        it), so that every fork's copy of the schedule drives that fork's copy of the optimizer."""
+        optimizer = self.optimizer if optimizer is None else optimizer
+        inner = getattr(optimizer, "optimizer", optimizer)
+        return super().create_scheduler(num_training_steps, optimizer=inner)
+
+    def training_step(self, model: torch.nn.Module, inputs: Any,
+                      num_items_in_batch: Any = None) -> torch.Tensor:
+        """Your run's step as the Trainer takes it, then the same step of every other fork (and of
+        a cut's annealed copies) on the same inputs, each drawing the random numbers your run drew."""
+        from hpx._forks import _device, common_draws
+
+        step, forks = super().training_step, self.forks
+        if forks is None:  # not training: the Trainer's own step
+            return step(model, inputs, num_items_in_batch)
+        calls = [lambda m=f.model: step(m, inputs, num_items_in_batch) for f in forks._open()]
+        return common_draws(_device(self.model), [lambda: step(model, inputs, num_items_in_batch), *calls])[0]
+
+    def _begin_forks(self, state: Any) -> None:
+        import hpx
+
+        problems = []
+        if getattr(self.accelerator, "scaler", None) is not None:
+            problems.append("ForksTrainer does not run with fp16=True: its gradient scaler steps your run's "
+                            "optimizer alone and would unscale the other forks with another scale; use "
+                            "bf16=True (no scaler), or fp32")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            problems.append("ForksTrainer keeps a whole copy of the model per fork on every process; it does "
+                            "not run under DeepSpeed or FSDP (use DDP: torchrun with the default strategy)")
+        if self.args.n_gpu > 1:
+            problems.append(f"ForksTrainer does not run under torch.nn.DataParallel ({self.args.n_gpu} GPUs "
+                            "in one process): launch one process per GPU with torchrun")
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        schedule = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+        if schedule is not None and getattr(schedule, "optimizer", None) is not optimizer:
+            problems.append("the learning-rate scheduler is not built on the Trainer's optimizer: build the "
+                            "scheduler you pass in optimizers=(optimizer, scheduler) on that optimizer")
+        ConfigError.check(problems)
+        backend = None
+        if int(getattr(self.args, "world_size", 1)) > 1:
+            from hpx.backends import TorchDistributed
+
+            backend = TorchDistributed()
+        on_sync = self.forks_settings.get("on_sync", ())
+        extra = list(on_sync) if isinstance(on_sync, (list, tuple)) else [on_sync]
+        settings = {k: v for k, v in self.forks_settings.items() if k != "on_sync"}
+        fn = self.probe_loss
+        self.forks = hpx.Forks(self.model, optimizer, total_steps=int(state.max_steps), schedule=schedule,
+                               probe=self.probe, backend=backend, on_sync=[self._log_forks, *extra],
+                               loss_fn=lambda rep, b: (fn or _model_loss)(rep.model, b), **settings)
+        self.forks._outside = True  # the Trainer trains your run; hpx the others
+        if state.global_step > 0:  # resumed: the Trainer has loaded your model, optimizer and scheduler
+            path = os.path.join(self._checkpoint(state), _FORKS_FILE.format(rank=self.forks.collective.rank))
+            if not os.path.exists(path):
+                raise ConfigError([f"resuming at step {state.global_step}, but hpx's state is not in {path}: "
+                                   "was the checkpoint saved by a ForksTrainer?"])
+            saved = torch.load(path, weights_only=False)
+            start = self.forks._forks[0]
+            sched = None if start.scheduler is None else start.scheduler.state_dict()
+            saved["forks"][0].update(model=start.model.state_dict(), optimizer=start.optimizer.state_dict(),
+                                     scheduler=sched)
+            self.forks.load_state_dict(saved)
+
+    def _checkpoint(self, state: Any) -> str:
+        """The checkpoint folder this ``train`` call resumes from."""
+        if isinstance(self._resume, (str, os.PathLike)):
+            return os.fspath(self._resume)
+        if self._resume is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            found = get_last_checkpoint(self.args.output_dir)
+            if found is not None:
+                return found
+        return os.path.join(self.args.output_dir, f"checkpoint-{state.global_step}")
+
+    def _save_forks(self, state: Any) -> None:
+        folder = os.path.join(self.args.output_dir, f"checkpoint-{state.global_step}")
+        os.makedirs(folder, exist_ok=True)
+        saved = self.forks.state_dict()
+        saved["forks"][0] = {**saved["forks"][0], "model": None, "optimizer": None, "scheduler": None}
+        torch.save(saved, os.path.join(folder, _FORKS_FILE.format(rank=self.forks.collective.rank)))
+
+    def _log_forks(self, record: SyncRecord) -> None:
+        from hpx.forks import _shown
+
+        logs: dict[str, Any] = {f"hpx/{k}_multiple" if k == "lr" else f"hpx/{k}": float(v)
+                                for k, v in record.bases.items()}
+        names = list(record.values)
+        for i, score in enumerate(record.scores):
+            setting = {k: float(record.values[k][i]) for k in names}
+            logs[f"hpx/probe_loss/{_shown(setting)}"] = float(score)
+        if record.metrics and "gain" in record.metrics:
+            logs["hpx/gain"] = float(record.metrics["gain"])
+        self.log(logs)
+
+
+class _ForksEvents(TrainerCallback):
+    """The Trainer's events a :class:`ForksTrainer` acts on."""
+
+    def __init__(self, trainer: ForksTrainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._begin_forks(state)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # the Trainer has stepped your run; now every other fork, then a cut or the end when due
+        norm = float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else None
+        self.trainer.forks.optimizer_step(max_grad_norm=norm)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer._save_forks(state)
+
+
+def _model_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """The loss a Hugging Face model returns for a batch with labels."""
+    loss = _loss_of(model(**batch))
+    if loss is None:
+        raise ConfigError(["the model returned no loss on a probe batch: give probe batches with labels, or "
+                           "probe_loss=lambda model, batch: ..."])
+    return loss

@@ -1,0 +1,139 @@
+"""hpx.integrations.transformers.ForksTrainer, run by the real Hugging Face Trainer on CPU, against
+plain Trainer runs."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import torch
+
+import hpx
+from hpx.integrations.transformers import ForksTrainer
+from tests._dist import run_distributed
+from tests.integrations._hf import Tiny, forks_args, forks_two_ranks, probe, train_set
+
+POW2 = (1 / 16, 1 / 4, 1, 4, 16)  # powers of 2: m * (lr * schedule) is (m * lr) * schedule exactly
+
+
+def _plain(out, steps, lr, dropout=0.0, loss=None, **kw):
+    from transformers import Trainer
+
+    t = Trainer(model=Tiny(dropout), args=forks_args(out, steps, lr, **kw), train_dataset=train_set(),
+                compute_loss_func=loss)
+    t.train()
+    return t
+
+
+def _forks(out, steps, lr, dropout=0.0, forks=None, loss=None, **kw):
+    return ForksTrainer(model=Tiny(dropout), args=forks_args(out, steps, lr, **kw), train_dataset=train_set(),
+                        compute_loss_func=loss, probe=probe(), forks={"multiples": POW2, **(forks or {})})
+
+
+def _same(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
+
+
+def test_a_confident_winner_is_the_plain_trainer_at_its_multiple_bit_for_bit(tmp_path):
+    t = _forks(tmp_path / "f", 60, 1e-4, dropout=0.1)  # 16x too low: the 16x fork wins
+    t.train()
+    f = t.forks
+    assert f.decided and f.factor == 16.0 and f.step_count == 60
+    assert [r.phase for r in f.history] == ["cut", "cut", "end"]
+    assert f.history[-1].metrics["gain"] > 2  # won with confidence
+    # dropout draws included: the 16x fork's random stream is the one plain training has
+    assert _same(t, _plain(tmp_path / "p", 60, 16e-4, dropout=0.1))
+    assert t.optimizer.param_groups[0]["lr"] == pytest.approx(16e-4 * t.lr_scheduler.lr_lambdas[0](60))
+    assert t.lr_scheduler.last_epoch == 60
+    # 5 forks to step 9 (the cut at 6 scored on 5 copies annealed over 3 steps), 3 to 18 (the cut at 15,
+    # 3 copies for 3 steps), 2 to 60; your run's steps (the Trainer's) counted among them
+    assert f.fork_steps == 5 * 9 + 5 * 3 + 3 * 9 + 3 * 3 + 2 * 42
+    logged = [h for h in t.state.log_history if "hpx/lr_multiple" in h]
+    assert [h["step"] for h in logged] == [r.step for r in f.history]
+    assert logged[-1]["hpx/lr_multiple"] == 16.0 and logged[-1]["hpx/gain"] > 2
+    assert logged[0]["hpx/probe_loss/16x"] == pytest.approx(f.history[0].scores[-1])
+
+
+def test_your_run_kept_is_the_plain_trainer_bit_for_bit(tmp_path):
+    t = _forks(tmp_path / "f", 40, 1e-3, dropout=0.1, forks={"confidence": 1e9})
+    t.train()
+    assert t.forks.factor == 1.0 and t.forks.decided
+    assert _same(t, _plain(tmp_path / "p", 40, 1e-3, dropout=0.1))
+
+
+def _smoothed(out, labels, num_items_in_batch=None):
+    return torch.nn.functional.cross_entropy(out["logits"], labels, label_smoothing=0.1)
+
+
+def test_accumulation_clipping_and_the_trainers_loss_function_reach_every_fork(tmp_path):
+    kw = {"gradient_accumulation_steps": 2, "max_grad_norm": 0.05, "per_device_train_batch_size": 16,
+          "loss": _smoothed}
+    t = _forks(tmp_path / "f", 40, 1e-4, **kw)
+    t.train()
+    assert t.forks.factor == 16.0
+    assert _same(t, _plain(tmp_path / "p", 40, 16e-4, **kw))
+
+
+def test_resume_mid_cut_from_another_output_dir_continues_exactly(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = _forks(tmp_path / "a", 60, 1e-4, dropout=0.1, save_strategy="steps", save_steps=16)
+        first.train()  # the cut at step 15 is scored at 18: checkpoint-16 holds its annealed copies
+        saved = torch.load(tmp_path / "a" / "checkpoint-16" / "hpx_forks_rank0.pt", weights_only=False)
+        assert len(saved["clones"]) == 3 and saved["forks"][0]["model"] is None  # yours: the Trainer's file
+        again = _forks(tmp_path / "b", 60, 1e-4, dropout=0.1, save_strategy="steps", save_steps=16)
+        again.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-16"))
+    assert again.forks.factor == first.forks.factor and again.forks.fork_steps == first.forks.fork_steps
+    assert [r.scores for r in again.forks.history] == [r.scores for r in first.forks.history]
+    assert _same(again, first)
+
+
+def test_a_checkpoint_without_hpxs_state_is_named(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _plain(tmp_path, 20, 1e-3, save_strategy="steps", save_steps=10)
+        t = _forks(tmp_path, 20, 1e-3, save_strategy="steps", save_steps=10)
+        with pytest.raises(hpx.ConfigError, match=r"hpx_forks_rank0\.pt.*saved by a ForksTrainer"):
+            t.train(resume_from_checkpoint=True)
+
+
+def test_bad_settings_are_named_together():
+    with pytest.raises(hpx.ConfigError) as e:
+        ForksTrainer(model=Tiny(), args=forks_args("/tmp/unused", 10, 1e-3), probe=None, probe_loss=3,
+                     forks={"multiples": (1, 2), "backend": None, "total_steps": 9})
+    msg = str(e.value)
+    for part in ("probe must be held-out batches", "probe_loss must be a function",
+                 "unknown forks setting 'backend'", "unknown forks setting 'total_steps'"):
+        assert part in msg
+    with pytest.raises(hpx.ConfigError, match="multiples must be distinct"):
+        ForksTrainer(model=Tiny(), args=forks_args("/tmp/unused", 10, 1e-3), train_dataset=train_set(),
+                     probe=probe(), forks={"multiples": (2, 3)}).train()
+
+
+def test_a_gradient_scaler_is_refused_before_anything_trains(tmp_path):
+    t = _forks(tmp_path, 10, 1e-3)
+    t.accelerator.scaler = torch.amp.GradScaler("cpu")  # what fp16=True gives the Trainer on a GPU
+    before = [p.detach().clone() for p in t.model.parameters()]
+    with pytest.raises(hpx.ConfigError, match=r"fp16=True.*bf16=True"):
+        t.train()
+    assert all(torch.equal(p, q) for p, q in zip(before, t.model.parameters()))
+
+
+def test_a_probe_without_labels_is_named(tmp_path):
+    batch = {k: v for k, v in probe()[0].items() if k != "labels"}
+    t = ForksTrainer(model=Tiny(), args=forks_args(tmp_path, 10, 1e-3), train_dataset=train_set(),
+                     probe=[batch])
+    with pytest.raises(hpx.ConfigError, match="no loss on a probe batch"):
+        t.train()
+
+
+def test_two_processes_train_every_fork_data_parallel_and_agree(tmp_path):
+    ranks = run_distributed(forks_two_ranks, 2, str(tmp_path), timeout=240)
+    for r in ranks:
+        assert r["world"] == 2 and r["factor"] == 16.0 and r["steps"] == [6, 12, 40]
+    assert ranks[0]["scores"] == ranks[1]["scores"] and ranks[0]["fork_steps"] == ranks[1]["fork_steps"]
+    assert ranks[0]["params"] == ranks[1]["params"]  # DDP for your run, hpx for the others: one model
