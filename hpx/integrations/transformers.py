@@ -289,11 +289,12 @@ class ForksTrainer(Trainer):
         a cut's annealed copies) on the same inputs, each drawing the random numbers your run drew."""
         from hpx._forks import _device, common_draws
 
+        more = () if num_items_in_batch is None else (num_items_in_batch,)  # transformers < 4.46: none
         step, forks = super().training_step, self.forks
         if forks is None:  # not training: the Trainer's own step
-            return step(model, inputs, num_items_in_batch)
-        calls = [lambda m=f.model: step(m, inputs, num_items_in_batch) for f in forks._open()]
-        return common_draws(_device(self.model), [lambda: step(model, inputs, num_items_in_batch), *calls])[0]
+            return step(model, inputs, *more)
+        calls = [lambda m=f.model: step(m, inputs, *more) for f in forks._open()]
+        return common_draws(_device(self.model), [lambda: step(model, inputs, *more), *calls])[0]
 
     def _begin_forks(self, state: Any) -> None:
         import hpx
@@ -306,6 +307,10 @@ class ForksTrainer(Trainer):
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             problems.append("ForksTrainer keeps a whole copy of the model per fork on every process; it does "
                             "not run under DeepSpeed or FSDP (use DDP: torchrun with the default strategy)")
+        if self.args.load_best_model_at_end:
+            problems.append("load_best_model_at_end=True would replace the forks' winner with your run's "
+                            "best checkpoint after training: leave it False (the winner is in trainer.model "
+                            "at the end; evaluate it there)")
         if self.args.n_gpu > 1:
             problems.append(f"ForksTrainer does not run under torch.nn.DataParallel ({self.args.n_gpu} GPUs "
                             "in one process): launch one process per GPU with torchrun")

@@ -123,6 +123,16 @@ def test_a_gradient_scaler_is_refused_before_anything_trains(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(before, t.model.parameters()))
 
 
+def test_loading_the_best_checkpoint_at_the_end_is_refused(tmp_path):
+    args = forks_args(tmp_path, 20, 1e-3, load_best_model_at_end=True, eval_strategy="steps", eval_steps=10,
+                      save_strategy="steps", save_steps=10)
+    t = ForksTrainer(model=Tiny(), args=args, train_dataset=train_set(), eval_dataset=train_set()[:64],
+                     probe=probe())
+    with pytest.raises(hpx.ConfigError, match="load_best_model_at_end=True would replace the forks' winner"):
+        t.train()
+    assert t.state.global_step == 0
+
+
 def test_a_probe_without_labels_is_named(tmp_path):
     batch = {k: v for k, v in probe()[0].items() if k != "labels"}
     t = ForksTrainer(model=Tiny(), args=forks_args(tmp_path, 10, 1e-3), train_dataset=train_set(),
@@ -137,3 +147,23 @@ def test_two_processes_train_every_fork_data_parallel_and_agree(tmp_path):
         assert r["world"] == 2 and r["factor"] == 16.0 and r["steps"] == [6, 12, 40]
     assert ranks[0]["scores"] == ranks[1]["scores"] and ranks[0]["fork_steps"] == ranks[1]["fork_steps"]
     assert ranks[0]["params"] == ranks[1]["params"]  # DDP for your run, hpx for the others: one model
+
+
+def test_the_example_prints_the_forks_decisions_and_both_accuracies(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "examples" / "hf_digits.py"), "--steps", "300", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = (out.stdout + out.stderr).splitlines()
+    decisions = [line for line in lines if line.startswith("forks at step")]
+    assert [line.split(" (")[1].split(")")[0] for line in decisions] == ["cut", "cut", "end"]
+    ended = next(line for line in lines if line.startswith("ForksTrainer: the run ended at"))
+    factor = ended.split("ended at ")[1].split("x")[0]
+    assert f"kept {factor}x" in decisions[-1]  # what it printed is what the end decided
+    forks_acc = float(ended.rsplit(" ", 1)[1])
+    plain_acc = float(next(line for line in lines if line.startswith("plain Trainer")).rsplit(" ", 1)[1])
+    assert forks_acc > plain_acc  # 10x below a good lr: a challenger won and did better on the test digits
