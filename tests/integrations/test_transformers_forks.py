@@ -24,14 +24,15 @@ def _plain(out, steps, lr, dropout=0.0, loss=None, **kw):
     from transformers import Trainer
 
     t = Trainer(model=Tiny(dropout), args=forks_args(out, steps, lr, **kw), train_dataset=train_set(),
-                compute_loss_func=loss)
+                **({} if loss is None else {"compute_loss_func": loss}))
     t.train()
     return t
 
 
 def _forks(out, steps, lr, dropout=0.0, forks=None, loss=None, **kw):
     return ForksTrainer(model=Tiny(dropout), args=forks_args(out, steps, lr, **kw), train_dataset=train_set(),
-                        compute_loss_func=loss, probe=probe(), forks={"multiples": POW2, **(forks or {})})
+                        probe=probe(), forks={"multiples": POW2, **(forks or {})},
+                        **({} if loss is None else {"compute_loss_func": loss}))
 
 
 def _same(a, b):
