@@ -68,6 +68,7 @@ from hpx._forks import (
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError, NonFiniteError
+from hpx.history import _fork_label
 from hpx.knobs.base import Knob
 from hpx.replica import Replica
 from hpx.signals import LossFn
@@ -440,13 +441,14 @@ class Forks:
                          lr=[next((v for v in row if v), row[0]) for row in lrs], lr_factor="lr",
                          metrics=None if math.isnan(gain) else {"gain": gain})
         self.history.append(rec)
-        kept_m = ", ".join(_shown(self._forks[i].setting()) for i in kept)
+        kept_m = ", ".join(_fork_label(self._forks[i].setting(), self._bases) for i in kept)
         why = "" if math.isnan(gain) else f" (the challenger's gain: {gain:.2f} standard errors)"
         if 0 < gain < self.confidence:  # the test kept your run: how much more probe would have told
             why += (f"; a probe about {(self.confidence / gain) ** 2:.3g}x as large would tell a difference "
                     "this size")
-        log.info("forks at step %d (%s): %s scored %s; kept %s%s", self.step_count, phase,
-                 [_shown(f.setting()) for f in self._forks], [round(s, 4) for s in scores], kept_m, why)
+        names = [_fork_label(f.setting(), self._bases) for f in self._forks]
+        log.info("forks at step %d (%s): %s scored %s; kept %s%s", self.step_count, phase, names,
+                 [round(s, 4) for s in scores], kept_m, why)
         for callback in self._on_sync:
             callback(rec)
 
@@ -561,7 +563,3 @@ class Forks:
         return (f"Forks(step={self.step_count}/{self.total_steps}, multiples={shown}, "
                 f"factor={self.factor:.4g}, decided={self.decided})")
 
-
-def _shown(setting: dict[str, float]) -> str:
-    """A fork's setting as a log line shows it: ``"0.316x"``, or ``"1x, dropout 0.3"``."""
-    return ", ".join([f"{setting['lr']:.3g}x", *(f"{k} {v:.3g}" for k, v in setting.items() if k != "lr")])

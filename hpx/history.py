@@ -71,6 +71,8 @@ def format_history(history: Sequence[SyncRecord], every: int = 1) -> str:
         return "(no syncs yet)"
     names = list(history[0].bases)
     label = _labeller(history)
+    if _from_forks(history):
+        return _forks_table(history, names, label)
     with_lr = any(r.lr for r in history)
     head = (f"{'step':>7}  " + (f"{'lr':>12}  " if with_lr else "")
             + "  ".join(f"{label(n):>12}" for n in names) + f"  {'best score':>11}")
@@ -82,6 +84,46 @@ def format_history(history: Sequence[SyncRecord], every: int = 1) -> str:
         best = f"{min(finite):11.4f}" if finite else f"{'nan':>11}"
         lr = (f"{_mean(r.lr):>12.5g}  " if r.lr else f"{'-':>12}  ") if with_lr else ""
         lines.append(f"{r.step:>7}  " + lr + "  ".join(f"{r.bases[n]:>12.5g}" for n in names) + f"  {best}")
+    return "\n".join(lines)
+
+
+def _from_forks(history: Sequence[SyncRecord]) -> bool:
+    """Whether ``history`` is :class:`hpx.Forks`' decisions (its cuts and its end)."""
+    return all(r.phase in ("cut", "end") for r in history)
+
+
+def _fork_label(setting: dict[str, float], yours: dict[str, float] | None = None) -> str:
+    """A fork's setting as hpx shows it: ``"0.316x"`` (its lr multiple), or ``"1x, dropout 0.3"``
+    for a knob away from your value (``yours``; every knob when it is not given)."""
+    moved = [f"{k} {v:.3g}" for k, v in setting.items() if k != "lr" and (yours is None or yours.get(k) != v)]
+    return ", ".join([f"{setting['lr']:.3g}x", *moved])
+
+
+def _fork_labels(r: SyncRecord) -> list[str]:
+    """The label of every fork a decision scored, in its record's order (your run's first, whose
+    knob values the others are shown against)."""
+    yours = {k: r.values[k][0] for k in r.values}
+    return [_fork_label({k: r.values[k][i] for k in r.values}, yours) for i in range(len(r.scores))]
+
+
+def _kept(r: SyncRecord) -> int:
+    """The fork whose setting a decision leaves your run at (the record's bases): yours at a cut."""
+    return next((i for i in range(len(r.scores)) if all(r.values[k][i] == v for k, v in r.bases.items())), 0)
+
+
+def _forks_table(history: Sequence[SyncRecord], names: list[str], label: Callable[[str], str]) -> str:
+    """:func:`format_history` for :class:`hpx.Forks`: per decision, the learning rate and setting
+    your run trains at after it, and every fork's probe loss (the challenger's gain at the end)."""
+    head = (f"{'step':>7}  {'phase':>5}  {'lr':>12}  " + "  ".join(f"{label(n):>12}" for n in names)
+            + "  probe loss per fork")
+    lines = [head]
+    for r in history:
+        k = _kept(r)
+        lr = f"{r.lr[k]:>12.5g}" if r.lr else f"{'-':>12}"
+        scores = ", ".join(f"{name} {s:.4g}" for name, s in zip(_fork_labels(r), r.scores))
+        gain = f" (gain {r.metrics['gain']:.3g} standard errors)" if r.metrics and "gain" in r.metrics else ""
+        lines.append(f"{r.step:>7}  {r.phase:>5}  {lr}  " + "  ".join(f"{r.bases[n]:>12.5g}" for n in names)
+                     + f"  {scores}{gain}")
     return "\n".join(lines)
 
 
@@ -142,10 +184,11 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
     shown_as = _labeller(history)
     # under autolr, first a panel of the learning rate the optimizer used (the knob is a factor)
     panels: list[tuple[str, list[int], list[float], list[list[float]]]] = []
+    forks = _from_forks(history)  # hpx.Forks: the line is your run, after each decision
     used = [r for r in history if r.lr]
     if used:
-        panels.append(("lr", [r.step for r in used], [_mean(r.lr or []) for r in used],
-                       [r.lr or [] for r in used]))
+        line = [(r.lr or [])[_kept(r)] if forks else _mean(r.lr or []) for r in used]
+        panels.append(("lr", [r.step for r in used], line, [r.lr or [] for r in used]))
     steps = [r.step for r in history]
     for name in names:
         panels.append((shown_as(name), steps, [r.bases[name] for r in history],
@@ -156,21 +199,28 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
         # every replica's value (the count may change from record to record: hpx.Forks cuts forks)
         ax.plot([x for x, p in zip(xs, points) for _ in p], [v for p in points for v in p], ".", ms=2,
                 color="0.6")
-        ax.plot(xs, line, "-", color="C0", lw=2, label="mean" if i == 0 and used else "base")
+        name = "your run" if forks else "mean" if i == 0 and used else "base"
+        ax.plot(xs, line, "-", color="C0", lw=2, label=name,  # a fork's value holds until the next decision
+                drawstyle="steps-post" if forks else "default")
         ax.set_ylabel(ylabel)
         shown = line + [v for p in points for v in p]
         if _log_scale(shown):  # never when a replica sits at 0: it would vanish from a log axis
             ax.set_yscale("log")
     ax = axes[-1]
-    series = _score_series(history)
+    if forks:  # every fork's probe loss at each decision, named, and your run's
+        _plot_fork_scores(ax, history)
+        series = {}
+    else:
+        series = _score_series(history)
     style = {"best": ("-", "C0"), "mean": ("-", "C1"), "training loss": (":", "0.5")}
     for label, (xs, ys) in series.items():
         ax.plot(xs, ys, style[label][0], color=style[label][1],
                 label=label if label != "training loss" else "training loss (search not acting)")
     shown = [v for _, ys in series.values() for v in ys if not math.isnan(v)]
+    shown += [s for r in history for s in r.scores if forks and math.isfinite(s)]
     if _log_scale(shown):  # early scores dwarf the late ones
         ax.set_yscale("log")
-    ax.set_ylabel("score")
+    ax.set_ylabel("probe loss" if forks else "score")
     ax.set_xlabel("step")
     ax.legend(fontsize=8)
     axes[0].legend(fontsize=8, loc="best")
@@ -182,3 +232,16 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_fork_scores(ax: object, history: Sequence[SyncRecord]) -> None:
+    """The score panel of a :class:`hpx.Forks` history: each fork's probe loss at each decision as
+    a point named by its setting, and your run's as a line."""
+    for r in history:
+        for name, s in zip(_fork_labels(r), r.scores):
+            if math.isfinite(s):
+                ax.plot([r.step], [s], ".", color="0.5", ms=4)  # type: ignore[attr-defined]
+                ax.annotate(name, (r.step, s), fontsize=6, xytext=(3, 0),  # type: ignore[attr-defined]
+                            textcoords="offset points", va="center", color="0.35")
+    ax.plot([r.step for r in history], [r.scores[0] for r in history], "-", color="C1",  # type: ignore[attr-defined]
+            label="your run")

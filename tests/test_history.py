@@ -55,6 +55,58 @@ def test_plot_writes_a_png(history, tmp_path):
         hpx.plot_history([], tmp_path / "q.png")
 
 
+@pytest.fixture(scope="module")
+def forks_history():
+    """A Forks run 10x too low (SGD at 0.003 on a linear teacher): two cuts, and an end the 10x
+    fork wins; the forks' lr multiples 0.1, 0.316, 1, 3.16, 10 and a dropout fork pair."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 8, generator=g)
+    y = x @ torch.randn(8, 1, generator=g)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
+                              torch.nn.Linear(32, 1))
+    forks = hpx.Forks(net, torch.optim.SGD(net.parameters(), lr=0.003), total_steps=100,
+                      probe=[(x[400:], y[400:])], knobs=[hpx.Dropout(spread=0.05)])
+    for i in range(100):
+        j = (32 * i) % 384
+        forks.step(lambda r, b: F.mse_loss(r.model(b[0]), b[1]), (x[j:j + 32], y[j:j + 32]))
+    assert forks.factor == 10.0
+    return forks.history
+
+
+def test_a_forks_history_is_printed_decision_by_decision(forks_history):
+    lines = hpx.format_history(forks_history).splitlines()
+    assert lines[0].split()[:5] == ["step", "phase", "lr", "lr", "factor"]
+    rows = [line.split(maxsplit=5) for line in lines[1:]]
+    assert [(int(r[0]), r[1]) for r in rows] == [(rec.step, rec.phase) for rec in forks_history]
+    # the lr and multiple your run trains at after each decision: yours at the cuts, the winner's at the end
+    assert [float(r[2]) for r in rows] == pytest.approx([0.003, 0.003, 0.03], rel=1e-4)
+    assert [float(r[3]) for r in rows] == [1.0, 1.0, 10.0]
+    first = forks_history[0]
+    shown = [("1x", 0), ("0.1x", 1), ("10x", 4), ("1x, dropout 0.05", 5), ("1x, dropout 0.15", 6)]
+    for name, i in shown:  # a knob is named where a fork moved it from your value
+        assert f"{name} {first.scores[i]:.4g}" in lines[1]
+    assert f"(gain {forks_history[-1].metrics['gain']:.3g} standard errors)" in lines[-1]
+
+
+def test_a_forks_plot_shows_your_run_and_names_every_forks_probe_loss(forks_history, tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure plot_history draws
+    hpx.plot_history(forks_history, tmp_path / "f.png")
+    lr_ax, _, _, score_ax = figures[0].axes
+    yours = next(line for line in lr_ax.get_lines() if line.get_label() == "your run")
+    assert list(yours.get_ydata()) == pytest.approx([0.003, 0.003, 0.03], rel=1e-4)
+    assert yours.get_drawstyle() == "steps-post"  # your run trains at 1x until the end decides
+    named = {(t.get_text(), t.xy) for t in score_ax.texts}
+    assert named == {(name, (r.step, s)) for r in forks_history
+                     for name, s in zip(hpx.history._fork_labels(r), r.scores)}
+    assert score_ax.get_ylabel() == "probe loss"
+
+
 def test_report_command(history, tmp_path, capsys):
     path = hpx.save_history(history, tmp_path / "h.json")
     assert main(["report", str(path), "--plot", str(tmp_path / "r.png")]) == 0

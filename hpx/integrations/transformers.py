@@ -365,14 +365,12 @@ class ForksTrainer(Trainer):
         torch.save(saved, os.path.join(folder, _FORKS_FILE.format(rank=self.forks.collective.rank)))
 
     def _log_forks(self, record: SyncRecord) -> None:
-        from hpx.forks import _shown
+        from hpx.history import _fork_labels
 
         logs: dict[str, Any] = {f"hpx/{k}_multiple" if k == "lr" else f"hpx/{k}": float(v)
                                 for k, v in record.bases.items()}
-        names = list(record.values)
-        for i, score in enumerate(record.scores):
-            setting = {k: float(record.values[k][i]) for k in names}
-            logs[f"hpx/probe_loss/{_shown(setting)}"] = float(score)
+        for name, score in zip(_fork_labels(record), record.scores):
+            logs[f"hpx/probe_loss/{name}"] = float(score)
         if record.metrics and "gain" in record.metrics:
             logs["hpx/gain"] = float(record.metrics["gain"])
         self.log(logs)
