@@ -118,11 +118,11 @@ class InProcess(pl.LightningModule):
 class WithForks(pl.LightningModule):
     """hpx.Forks in Lightning: manual optimization, the forks step themselves in training_step."""
 
-    def __init__(self, lr: float = 0.01, steps: int = 40) -> None:
+    def __init__(self, lr: float = 0.01, steps: int = 40, out: str | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 10))
-        self.lr, self.steps = lr, steps
+        self.lr, self.steps, self.out = lr, steps, out  # out: each process writes what it decided there
         self.automatic_optimization = False  # hpx.Forks steps every fork's optimizer
         self.forks = None
 
@@ -131,9 +131,13 @@ class WithForks(pl.LightningModule):
 
     def on_fit_start(self):
         import hpx
+        from hpx.backends import TorchDistributed
 
+        # under DDP the forks average their gradients over the processes themselves: they train
+        # self.net and its copies directly, never through Lightning's DDP wrapper
+        backend = TorchDistributed() if self.trainer.world_size > 1 else None
         self.forks = hpx.Forks(self.net, torch.optim.SGD(self.net.parameters(), lr=self.lr, momentum=0.9),
-                               total_steps=self.steps, probe=probe())
+                               total_steps=self.steps, probe=probe(), backend=backend)
 
     def training_step(self, batch, batch_idx):
         losses = self.forks.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), batch)
@@ -142,3 +146,8 @@ class WithForks(pl.LightningModule):
 
     def on_fit_end(self):
         self.forks.converge()  # self.net holds the winner
+        if self.out is not None:
+            params = torch.cat([p.detach().reshape(-1) for p in self.net.parameters()])
+            Path(self.out, f"rank{self.trainer.global_rank}.json").write_text(json.dumps({
+                "factor": self.forks.factor, "steps": [r.step for r in self.forks.history],
+                "step": self.forks.step_count, "params": params.tolist()}))

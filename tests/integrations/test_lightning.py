@@ -186,3 +186,22 @@ def test_forks_with_manual_optimization(tmp_path):
     counts = [float(r["hpx/forks"]) for r in rows if r.get("hpx/forks")]
     # five forks at first, then your run and one challenger, then the winner after the last step
     assert counts[0] == 5 and 2 in counts and counts[-1] == 1
+
+
+def test_forks_under_two_ddp_processes_decide_alike(tmp_path):
+    """hpx.Forks in a LightningModule under DDP (2 gloo processes, ddp_spawn): each process trains
+    its shard, the forks average their gradients over the processes (TorchDistributed), and both
+    processes cut at the same steps, pick the same winner and end with the same weights."""
+    from tests.integrations._lit import WithForks
+
+    module = WithForks(lr=0.001, steps=40, out=str(tmp_path))
+    trainer = _trainer(tmp_path, -1, devices=2, strategy="ddp_spawn", max_epochs=1, limit_train_batches=40)
+    trainer.fit(module, loader(16))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["step"] == ranks[1]["step"] == 40
+    assert ranks[0]["steps"] == ranks[1]["steps"] and len(ranks[0]["steps"]) == 3
+    assert ranks[0]["factor"] == ranks[1]["factor"] != 1.0  # 0.001 is low: a challenger won on both
+    assert ranks[0]["params"] == ranks[1]["params"]  # the shards differ; the averaged gradients do not
+    # the calling process gets rank 0's winner back, as Lightning returns a ddp_spawn fit's weights
+    params = torch.cat([p.detach().reshape(-1) for p in module.net.parameters()])
+    assert params.tolist() == ranks[0]["params"]
