@@ -326,4 +326,8 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
                                                     average=False),
     "halving-sided-z2-lost": lambda *a: halving(*a, cuts=((0.10, 3), (1.0, 1)), protect=True, sided=True,
                                                 confidence=2.0, lost_start=True, average=False),
+    # no early reading at all: the start and a fork a decade each side run to the end (3.0x the
+    # steps, as the cooled halving), the confident end picks among the finished runs
+    "trio-z2-lost": lambda *a: halving(*a, mults=(0.1, 1.0, 10.0), cuts=((1.0, 1),), protect=True,
+                                       confidence=2.0, lost_start=True, average=False),
 }
