@@ -178,7 +178,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             cuts: Sequence[tuple[float, int]] = ((0.10, 3), (0.25, 2), (0.50, 1)),
             protect: bool = False, cool: float = 0.0, confidence: float = 0.0,
             lost_start: bool = False, average: bool = True,
-            sided: bool = False) -> tuple[torch.nn.Module, float]:
+            sided: bool = False, sign: float = 0.0) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -198,7 +198,10 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     the test. Without ``average`` every score reads the forks'
     last weights instead of their averages. With ``sided`` (and ``protect``) a cut that keeps 3
     keeps the start and the best fork on each side of it (below and above its lr), so an early
-    reading's pull toward one side cannot cut every fork on the other."""
+    reading's pull toward one side cannot cut every fork on the other. With ``sign`` ``> 0`` the
+    end's test also passes a challenger whose mean probe loss is lower and that is lower on more
+    examples than not by ``sign`` standard errors of a sign test (robust to the few examples that
+    carry most of a cross-entropy's variance)."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total) if average else 1.0
@@ -239,13 +242,27 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                 order = [*order[:keep - 1], own[0]]
             if protect and keep == 1 and confidence > 0 and own and order[0] != own[0] and alive[own[0]]:
                 lost = scores[own[0]] >= initial > scores[order[0]]  # False without lost_start (nan)
-                if not lost and paired_gain(task, forks[order[0]][0], emas[order[0]],
-                                            forks[own[0]][0], emas[own[0]]) < confidence:
+                if not lost and not _passes(_unit_losses(task, forks[order[0]][0], emas[order[0]]),
+                                            _unit_losses(task, forks[own[0]][0], emas[own[0]]),
+                                            confidence, sign):
                     order = [own[0]]
             forks, factors = [forks[i] for i in order], [factors[i] for i in order]
             emas, alive, rngs = [emas[i] for i in order], [alive[i] for i in order], [rngs[i] for i in order]
     torch.random.set_rng_state(rngs[0])  # the global RNG ends where the survivor's run left it
     return forks[0][0], factors[0]
+
+
+def _passes(challenger: torch.Tensor, start: torch.Tensor, z: float, sign: float) -> bool:
+    """The end's test on the probe's losses per unit: the challenger's mean lies ``z`` standard
+    errors below the start's or (``sign > 0``) it is lower on average and on more units than not
+    by ``sign`` standard errors of a sign test."""
+    if _gain(challenger, start) >= z:
+        return True
+    d = start - challenger
+    if sign <= 0 or not bool(torch.isfinite(d).all()) or float(d.mean()) <= 0:
+        return False
+    up, down = int((d > 0).sum()), int((d < 0).sum())
+    return (up - down) / math.sqrt(max(1, up + down)) >= sign
 
 
 def _cooled(task: Task, state: State, factor: float, batches: Sequence[Any]) -> float:
@@ -321,6 +338,11 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
                                                    confidence=2.0, lost_start=True),
     "halving-end-cool-z2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                         confidence=2.0, lost_start=True, average=False),
+    "halving-end-cool-z1.5-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
+                                                          confidence=1.5, lost_start=True, average=False),
+    "halving-end-cool-z2-sign2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
+                                                              confidence=2.0, lost_start=True, average=False,
+                                                              sign=2.0),
     "halving-late-cool-z2-lost": lambda *a: halving(*a, cuts=((0.25, 3), (0.50, 2), (1.0, 1)),
                                                     protect=True, cool=0.05, confidence=2.0, lost_start=True,
                                                     average=False),
