@@ -1,5 +1,5 @@
 """Integrations with training frameworks. Each module imports its framework only when used:
-``hpx.integrations.lightning`` (PyTorch Lightning: the ``AutoLR`` callback) and
+``hpx.integrations.lightning`` (PyTorch Lightning: the ``ForksCallback`` and ``AutoLR`` callbacks) and
 ``hpx.integrations.transformers`` (the Hugging Face ``Trainer``: ``ForksTrainer``, and the
 ``AutoLR`` callback)."""
 

@@ -1,16 +1,19 @@
-"""hpx inside PyTorch Lightning: a callback that turns Lightning's data-parallel processes into
-replicas that find the learning rate (:func:`hpx.autolr`'s search).
+"""hpx inside PyTorch Lightning: ``ForksCallback`` (:class:`hpx.Forks`, the recommended search),
+and ``AutoLR`` (the one-run search, :func:`hpx.autolr`), the alternative.
 
 ::
 
-    from hpx.integrations.lightning import AutoLR
+    from hpx.integrations.lightning import ForksCallback
 
     def probe_loss(module, batch):                   # at a module's top level (see ddp_spawn below)
         return module.loss(batch)
 
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy="ddp", max_steps=2000,
-                        callbacks=[AutoLR(probe_loss, probe=val_batches)])
-    trainer.fit(module, train_loader)
+    trainer = L.Trainer(max_steps=2000, callbacks=[ForksCallback(probe_loss, probe=val_batches)])
+    trainer.fit(module, train_loader)                # module holds the winner afterwards
+
+:class:`ForksCallback`: Lightning trains your run; hpx trains forks of it at other multiples of
+the learning rate beside it and keeps yours unless one is better on the probe with confidence
+(see its docstring). The rest of this docstring is about :class:`AutoLR`.
 
 Each process Lightning runs (``devices=N``) is one replica; the callback builds an
 :class:`~hpx.Engine` around Lightning's own DDP-wrapped model and optimizer when fitting starts,
@@ -42,7 +45,9 @@ processes, at the same cost (4 forward passes over the probe per sync).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -56,7 +61,9 @@ from hpx.errors import ConfigError
 from hpx.integrations import _callback_problems, _lr
 from hpx.sync_record import SyncRecord
 
-__all__ = ["AutoLR"]
+__all__ = ["AutoLR", "ForksCallback"]
+
+_FORKS_SETTINGS = ("multiples", "cuts", "cool", "confidence", "knobs", "on_sync")
 
 
 class AutoLR(pl.Callback):
@@ -222,3 +229,235 @@ class AutoLR(pl.Callback):
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=trainer.global_step)
+
+
+class ForksCallback(pl.Callback):
+    """:class:`hpx.Forks`, the recommended learning-rate search, while Lightning trains your module
+    (automatic optimization): Lightning trains your run exactly as it would without the callback,
+    and hpx trains the other forks (copies of the module at other multiples of the learning rate,
+    with copies of its optimizer and schedule) on the same batches beside it, cuts them, and at
+    the end of the run keeps yours unless a challenger is better on the probe with confidence; the
+    winner is then loaded into your module, optimizer and scheduler.
+
+    Args:
+        loss_fn: ``loss_fn(module, batch) -> loss`` on a probe batch (the loss of every example, or
+            one number; the plain objective, without regularisers).
+        probe: held-out batches the forks are scored on (every process must hold the same ones).
+        **settings: other :class:`hpx.Forks` settings (``multiples``, ``cuts``, ``cool``,
+            ``confidence``, ``knobs``, ``on_sync``).
+
+    Each fork takes its step through your module's own ``training_step`` (on a copy of the
+    module, under the same precision context), with Lightning's gradient accumulation and its
+    ``gradient_clip_val`` (norm) clipping, and draws the random numbers your run drew at that step
+    (its dropout masks). A copy has no trainer: what its ``training_step`` logs with ``self.log`` is
+    dropped (your run's is logged as always), and it must not read ``self.trainer``. Under DDP
+    (``strategy="ddp"`` or ``"ddp_spawn"``) each fork's gradients are averaged over the processes
+    by hpx. Each decision is logged through the trainer's loggers and into
+    ``trainer.callback_metrics`` (``hpx/lr_multiple``: the multiple your run trains at after it;
+    ``hpx/probe_loss/<fork>``; ``hpx/gain`` at the end), and hpx's state is saved in Lightning's
+    checkpoints (without a second copy of your module: Lightning saves it), so
+    ``trainer.fit(..., ckpt_path=...)`` continues the search. The module's scheduler must be
+    stepped every optimizer step (``"interval": "step"``); 16-bit precision with a gradient
+    scaler (``precision="16-mixed"``), FSDP and DeepSpeed are refused; ``"bf16-mixed"`` works.
+    :attr:`forks` is the :class:`hpx.Forks` once training has begun.
+    """
+
+    def __init__(self, loss_fn: Callable[[pl.LightningModule, Any], torch.Tensor], *,
+                 probe: Iterable[Any], **settings: Any) -> None:
+        problems = []
+        if probe is None or not isinstance(probe, Iterable):
+            problems.append(f"probe must be held-out batches (a list of a few validation batches; "
+                            f"got {type(probe).__name__})")
+        if not callable(loss_fn):
+            problems.append(f"loss_fn must be a function (module, batch) -> loss (got "
+                            f"{type(loss_fn).__name__})")
+        problems += [f"unknown setting {key!r}: ForksCallback takes {', '.join(_FORKS_SETTINGS)} (the "
+                     "model, optimizer, schedule, total_steps and backend come from the trainer)"
+                     for key in settings if key not in _FORKS_SETTINGS]
+        ConfigError.check(problems)
+        self.loss_fn, self.probe, self.settings = loss_fn, probe, settings
+        self.forks: Any = None
+        self._pending: dict[str, Any] | None = None  # hpx state from a checkpoint, until training starts
+        self._trainer: pl.Trainer | None = None
+        self._last_step = 0
+        self._batch: tuple[Any, int] | None = None
+        self._before: Any = None
+
+    # --- Lightning hooks ---------------------------------------------------------------
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Build the forks once Lightning has set up (and, resuming, restored) your module, optimizer
+        and scheduler."""
+        import hpx
+
+        ConfigError.check(_forks_problems(trainer, pl_module))
+        backend = None
+        if trainer.world_size > 1:
+            from hpx.backends import TorchDistributed
+
+            backend = TorchDistributed()
+        configs = trainer.strategy.lr_scheduler_configs
+        on_sync = self.settings.get("on_sync", ())
+        extra = list(on_sync) if isinstance(on_sync, (list, tuple)) else [on_sync]
+        settings = {k: v for k, v in self.settings.items() if k != "on_sync"}
+        fn = self.loss_fn
+        self._trainer = trainer
+        with _detached(pl_module):  # the forks are copies of your module, not of the trainer it holds
+            self.forks = hpx.Forks(pl_module, trainer.optimizers[0],
+                                   total_steps=int(trainer.estimated_stepping_batches),
+                                   schedule=configs[0].scheduler if configs else None, probe=self.probe,
+                                   loss_fn=lambda rep, b: fn(rep.model, b), backend=backend,
+                                   on_sync=[self._log, *extra], **settings)
+            self.forks._outside = True  # Lightning trains your run; hpx the others
+            if self._pending is not None:
+                saved, self._pending = self._pending, None
+                start = self.forks._forks[0]
+                sched = None if start.scheduler is None else start.scheduler.state_dict()
+                saved["forks"][0].update(model=start.model.state_dict(),
+                                         optimizer=start.optimizer.state_dict(), scheduler=sched)
+                self.forks.load_state_dict(saved)
+        self._last_step = trainer.global_step
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        from hpx._forks import _device, _rng_get
+
+        self._batch, self._before = (batch, batch_idx), _rng_get(_device(pl_module))
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Your run has taken this micro-batch's forward and backward: every other fork (and a cut's
+        annealed copies) takes its own on the same batch, drawing the random numbers your run drew."""
+        from hpx._forks import _device, _rng_get, _rng_set
+
+        if self.forks is None or self._batch is None:
+            return
+        batch, batch_idx = self._batch
+        device = _device(pl_module)
+        after = _rng_get(device)
+        try:
+            for f in self.forks._open():
+                _rng_set(self._before, device)
+                with trainer.precision_plugin.train_step_context(), warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message=".*self.log.*")  # a copy has no trainer
+                    out = f.model.training_step(batch, batch_idx)
+                loss = out.get("loss") if isinstance(out, dict) else out
+                if not isinstance(loss, torch.Tensor):
+                    raise ConfigError([f"training_step returned {type(out).__name__} for a fork: "
+                                       "ForksCallback needs the loss (a tensor, or a dict with 'loss') at "
+                                       "every step"])
+                (loss / trainer.accumulate_grad_batches).backward()
+        finally:
+            _rng_set(after, device)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        self._batch = None
+        if self.forks is not None and trainer.global_step > self._last_step:  # the optimizer stepped
+            self._last_step = trainer.global_step
+            clip = trainer.gradient_clip_val
+            with _detached(pl_module):
+                self.forks.optimizer_step(max_grad_norm=float(clip) if clip else None)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A fit that stops before its last step (``EarlyStopping``, ``max_time``) decides now."""
+        if self.forks is not None and not self.forks.decided:
+            with _detached(pl_module):
+                self.forks.converge()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """In a process Lightning spawned (``ddp_spawn``), let the forks go when the fit ends (see
+        :meth:`AutoLR.teardown`)."""
+        import gc
+        import multiprocessing
+
+        if stage == "fit" and trainer.world_size > 1 and multiprocessing.parent_process() is not None:
+            self.forks = None
+            gc.collect()
+
+    def state_dict(self) -> dict[str, Any]:
+        """hpx's state for Lightning's checkpoint: every fork but your run (whose module, optimizer
+        and scheduler Lightning saves itself), the annealed copies in flight, the decisions."""
+        if self.forks is None:
+            return {}
+        saved = self.forks.state_dict()
+        saved["forks"][0] = {**saved["forks"][0], "model": None, "optimizer": None, "scheduler": None}
+        return saved
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._pending = state_dict or None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``strategy="ddp_spawn"`` pickles into each process (refused, with the fix, when
+        ``loss_fn`` or ``probe`` cannot be pickled)."""
+        import pickle
+
+        for name in ("loss_fn", "probe"):
+            try:
+                pickle.dumps(getattr(self, name))
+            except Exception as e:
+                raise ConfigError([f"ForksCallback's {name} cannot be pickled ({type(e).__name__}: {e}), and "
+                                   "strategy='ddp_spawn' pickles the callbacks into every process it "
+                                   "starts: define loss_fn with def at a module's top level (not a "
+                                   "lambda or a local function), or use strategy='ddp'"]) from e
+        return self.__dict__.copy()
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _log(self, record: SyncRecord) -> None:
+        from hpx.history import _fork_labels
+
+        trainer = self._trainer
+        if trainer is None:
+            return
+        metrics = {f"hpx/{k}_multiple" if k == "lr" else f"hpx/{k}": float(v)
+                   for k, v in record.bases.items()}
+        for name, score in zip(_fork_labels(record), record.scores):
+            metrics[f"hpx/probe_loss/{name}"] = float(score)
+        if record.metrics and "gain" in record.metrics:
+            metrics["hpx/gain"] = float(record.metrics["gain"])
+        trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
+        for lg in trainer.loggers:
+            lg.log_metrics(metrics, step=trainer.global_step)
+
+
+@contextlib.contextmanager
+def _detached(module: pl.LightningModule) -> Iterator[None]:
+    """``module`` without its trainer inside the block, so that a deep copy of it (a fork, a cut's
+    annealed copy) copies the module alone."""
+    trainer = module._trainer
+    module.trainer = None
+    try:
+        yield
+    finally:
+        module.trainer = trainer
+
+
+def _forks_problems(trainer: pl.Trainer, module: pl.LightningModule) -> list[str]:
+    """What keeps :class:`ForksCallback` from running in this fit."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    problems = []
+    if not module.automatic_optimization:
+        problems.append("ForksCallback drives Lightning's automatic optimization; with manual "
+                        "optimization build hpx.Forks on your network in on_fit_start and call "
+                        "forks.step in training_step")
+    if len(trainer.optimizers) != 1:
+        problems.append(f"ForksCallback needs exactly one optimizer (the module configures "
+                        f"{len(trainer.optimizers)})")
+    configs = trainer.strategy.lr_scheduler_configs
+    if len(configs) > 1 or (configs and (configs[0].interval != "step" or configs[0].frequency != 1)):
+        problems.append("ForksCallback steps a copy of your schedule per fork at every optimizer step: "
+                        "configure one scheduler with 'interval': 'step' (and frequency 1); the module "
+                        "configures "
+                        f"{[(type(c.scheduler).__name__, c.interval, c.frequency) for c in configs]}")
+    if getattr(trainer.precision_plugin, "scaler", None) is not None:
+        problems.append("ForksCallback does not run with a gradient scaler (precision='16-mixed'): it "
+                        "steps your run's optimizer alone; use precision='bf16-mixed' (no scaler), or 32")
+    if not isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy)):
+        problems.append(f"ForksCallback keeps a whole copy of the module per fork on every process; it runs "
+                        f"on one device or under DDP, not under {type(trainer.strategy).__name__}")
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
+        algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
+        problems.append(f"ForksCallback clips the forks by norm; gradient_clip_algorithm={algorithm!r} is "
+                        "not followed: use 'norm'")
+    return problems

@@ -151,3 +151,27 @@ class WithForks(pl.LightningModule):
             Path(self.out, f"rank{self.trainer.global_rank}.json").write_text(json.dumps({
                 "factor": self.forks.factor, "steps": [r.step for r in self.forks.history],
                 "step": self.forks.step_count, "params": params.tolist()}))
+
+
+class Dropped(pl.LightningModule):
+    """The digits MLP with dropout, SGD with momentum and OneCycleLR (its momentum cycle too) stepped
+    every step: what the ForksCallback tests train."""
+
+    def __init__(self, lr: float = 0.001, steps: int = 40, dropout: float = 0.1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Dropout(dropout), nn.Linear(32, 10))
+        self.lr, self.steps = lr, steps
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        loss = F.cross_entropy(self(batch[0]), batch[1])
+        self.log("train_loss", loss)  # a fork's copy has no trainer: dropped there
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=self.steps)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

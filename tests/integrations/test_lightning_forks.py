@@ -1,0 +1,194 @@
+"""hpx.integrations.lightning.ForksCallback, run by the real PyTorch Lightning on CPU, against
+plain Lightning runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from hpx.errors import ConfigError  # noqa: E402
+from hpx.integrations.lightning import ForksCallback  # noqa: E402
+from tests.integrations._lit import Dropped, EndGroup, loader, probe, probe_loss  # noqa: E402
+
+POW2 = (1 / 16, 1 / 4, 1, 4, 16)  # powers of 2: m * (lr * schedule) is (m * lr) * schedule exactly
+
+
+def _fit(tmp_path, module, steps, callbacks=(), ckpt_path=None, batch=32, **kw):
+    torch.manual_seed(1)  # the same global stream for every fit (the DataLoader draws its seed from it)
+    if kw.get("strategy") == "ddp_spawn":
+        callbacks = [*callbacks, EndGroup()]
+    trainer = pl.Trainer(accelerator="cpu", max_steps=steps, logger=pl.loggers.CSVLogger(tmp_path),
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                         callbacks=list(callbacks), **{"enable_checkpointing": False, "devices": 1, **kw})
+    trainer.fit(module, loader(batch), ckpt_path=ckpt_path)
+    return trainer
+
+
+def _params(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def _same(a, b):
+    return all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+def test_a_confident_winner_is_plain_lightning_at_its_multiple_bit_for_bit(tmp_path):
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    module = Dropped(lr=0.001, steps=40)
+    trainer = _fit(tmp_path / "f", module, 40, [cb])
+    f = cb.forks
+    assert f.decided and f.factor == 16.0 and f.step_count == 40
+    assert [r.phase for r in f.history] == ["cut", "cut", "end"]
+    assert f.history[-1].metrics["gain"] > 2
+    assert f.model is module  # the winner was loaded into your module
+    # dropout draws included: the 16x fork drew what plain training at 16x draws
+    plain = Dropped(lr=0.016, steps=40)
+    ref = _fit(tmp_path / "p", plain, 40)
+    assert _same(_params(module), _params(plain))
+    opt, ref_opt = trainer.optimizers[0], ref.optimizers[0]
+    assert opt.param_groups[0]["momentum"] == ref_opt.param_groups[0]["momentum"]  # the momentum cycle
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], ref_opt.state[q]["momentum_buffer"])
+               for p, q in zip(module.parameters(), plain.parameters()))
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 40
+    # 5 forks to step 6 (the cut at 4 scored on 5 copies annealed over 2 steps), 3 to 12 (the cut at
+    # 10), 2 to 40; your run's steps (Lightning's) counted among them
+    assert f.fork_steps == 5 * 6 + 5 * 2 + 3 * 6 + 3 * 2 + 2 * 28
+    rows = list(csv.DictReader(open(next((tmp_path / "f").rglob("metrics.csv")))))
+    logged = [r for r in rows if r.get("hpx/lr_multiple")]
+    assert [int(r["step"]) for r in logged] == [r.step for r in f.history]
+    assert float(logged[-1]["hpx/lr_multiple"]) == 16.0 and float(logged[-1]["hpx/gain"]) > 2
+    assert float(logged[0]["hpx/probe_loss/16x"]) == pytest.approx(f.history[0].scores[-1])
+    assert float(trainer.callback_metrics["hpx/lr_multiple"]) == 16.0
+
+
+def test_your_run_kept_is_plain_lightning_bit_for_bit(tmp_path):
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2, confidence=1e9)
+    module = Dropped(lr=0.001, steps=40)
+    _fit(tmp_path / "f", module, 40, [cb])
+    assert cb.forks.decided and cb.forks.factor == 1.0
+    plain = Dropped(lr=0.001, steps=40)
+    _fit(tmp_path / "p", plain, 40)
+    assert _same(_params(module), _params(plain))
+
+
+def test_accumulation_and_clipping_reach_every_fork(tmp_path):
+    kw = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    module = Dropped(lr=0.001, steps=30)
+    _fit(tmp_path / "f", module, 30, [cb], **kw)
+    assert cb.forks.factor == 16.0 and cb.forks.step_count == 30
+    plain = Dropped(lr=0.016, steps=30)
+    _fit(tmp_path / "p", plain, 30, **kw)
+    assert _same(_params(module), _params(plain))
+
+
+def test_a_resumed_fit_ends_as_if_never_stopped(tmp_path):
+    """Resumed with ckpt_path from a checkpoint saved at the end of the first epoch (11 steps of
+    128; Lightning resumes a plain DataLoader exactly only there), between the first cut (step 10)
+    and its decision (15): the same cuts, winner and final weights, bit for bit. No dropout:
+    Lightning's checkpoints do not hold the global random stream, so a resumed plain fit draws
+    other masks too."""
+    full = Dropped(lr=0.001, steps=100, dropout=0.0)
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=11, save_top_k=-1)
+    _fit(tmp_path / "full", full, 100, [cb, saver], batch=128, enable_checkpointing=True)
+    ckpt = next((tmp_path / "ckpt").glob("*step=11.ckpt"))
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    state = next(v for k, v in saved.items() if "ForksCallback" in k)
+    assert state["clones"] and state["forks"][0]["model"] is None  # copies in flight; your run is Lightning's
+    resumed = Dropped(lr=0.001, steps=100, dropout=0.0)
+    again = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    _fit(tmp_path / "b", resumed, 100, [again], batch=128, ckpt_path=str(ckpt))
+    assert [r.step for r in again.forks.history] == [r.step for r in cb.forks.history]
+    assert again.forks.factor == cb.forks.factor != 1.0
+    assert _same(_params(resumed), _params(full))
+
+
+class _Manual(Dropped):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        return None
+
+
+class _EpochSchedule(Dropped):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1)}
+
+
+@pytest.mark.parametrize("module, kw, words", [
+    (_Manual, {}, "manual optimization"),
+    (_EpochSchedule, {}, "'interval': 'step'"),
+    (Dropped, {"gradient_clip_val": 0.1, "gradient_clip_algorithm": "value"},
+     "gradient_clip_algorithm='value'"),
+])
+def test_what_it_cannot_follow_is_refused_naming_the_fix(tmp_path, module, kw, words):
+    with pytest.raises(ConfigError, match=words):
+        _fit(tmp_path, module(), 4, [ForksCallback(probe_loss, probe=probe())], **kw)
+
+
+def test_bad_settings_are_named_together():
+    with pytest.raises(ConfigError) as e:
+        ForksCallback("loss", probe=None, span=2.0)
+    text = str(e.value)
+    assert "probe must be" in text and "loss_fn must be" in text and "unknown setting 'span'" in text
+
+
+def test_a_lambda_is_refused_under_ddp_spawn_naming_the_fix(tmp_path):
+    cb = ForksCallback(lambda m, b: probe_loss(m, b), probe=probe())
+    with pytest.raises(ConfigError, match="top level"):
+        _fit(tmp_path, Dropped(), 4, [cb], devices=2, strategy="ddp_spawn")
+
+
+class _Written(pl.Callback):
+    """Writes what ForksCallback decided in each process to ``out/rank{r}.json``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        from pathlib import Path
+
+        f = next(c for c in trainer.callbacks if isinstance(c, ForksCallback)).forks
+        Path(self.out, f"rank{trainer.global_rank}.json").write_text(json.dumps({
+            "factor": f.factor, "steps": [r.step for r in f.history],
+            "params": torch.cat([p.detach().reshape(-1) for p in pl_module.parameters()]).tolist()}))
+
+
+def test_two_ddp_processes_decide_alike(tmp_path):
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    module = Dropped(lr=0.001, steps=40, dropout=0.0)
+    _fit(tmp_path, module, 40, [cb, _Written(str(tmp_path))], devices=2, strategy="ddp_spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0]["steps"] == ranks[1]["steps"] and len(ranks[0]["steps"]) == 3
+    assert ranks[0]["factor"] == ranks[1]["factor"] != 1.0
+    assert ranks[0]["params"] == ranks[1]["params"]
+
+
+def test_the_example_ends_where_plain_lightning_at_the_winners_lr_does(tmp_path):
+    """examples/lightning_digits.py (2 processes, strategy="ddp"): from 0.005 the fork at 10x wins,
+    and the run's test loss is plain Lightning's at 0.05, to the digit printed."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "lightning_digits.py"
+
+    def last(*args):
+        out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    forks = last()
+    assert forks.startswith("with hpx ForksCallback") and forks.endswith("lr 0.005 -> 0.05")
+    plain = last("--plain", "--lr", "0.05")
+    assert forks.split("test loss ")[1].split(",")[0] == plain.split("test loss ")[1]
