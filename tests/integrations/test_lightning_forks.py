@@ -166,11 +166,36 @@ class _Written(pl.Callback):
 def test_two_ddp_processes_decide_alike(tmp_path):
     cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
     module = Dropped(lr=0.001, steps=40, dropout=0.0)
-    _fit(tmp_path, module, 40, [cb, _Written(str(tmp_path))], devices=2, strategy="ddp_spawn")
+    trainer = _fit(tmp_path, module, 40, [cb, _Written(str(tmp_path))], devices=2, strategy="ddp_spawn")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["steps"] == ranks[1]["steps"] and len(ranks[0]["steps"]) == 3
     assert ranks[0]["factor"] == ranks[1]["factor"] != 1.0
     assert ranks[0]["params"] == ranks[1]["params"]
+    # the calling process trained nothing itself: Lightning hands back the winner's weights and the
+    # callback's metrics
+    assert cb.forks is None
+    assert float(trainer.callback_metrics["hpx/lr_multiple"]) == ranks[0]["factor"]
+    assert torch.cat([p.detach().reshape(-1) for p in module.parameters()]).tolist() == ranks[0]["params"]
+
+
+class _StopAt(pl.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True
+
+
+def test_a_fit_stopped_early_decides_when_it_stops(tmp_path):
+    """A fit that ends before its last step (EarlyStopping, max_time, should_stop) decides there,
+    and the module holds the winner."""
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    module = Dropped(lr=0.001, steps=40)
+    _fit(tmp_path, module, 40, [cb, _StopAt(20)])
+    f = cb.forks
+    assert f.decided and f.step_count == 20 and [r.phase for r in f.history] == ["cut", "cut", "end"]
+    assert f.history[-1].step == 20 and f.model is module
 
 
 def test_the_example_ends_where_plain_lightning_at_the_winners_lr_does(tmp_path):
