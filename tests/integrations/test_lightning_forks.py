@@ -217,3 +217,15 @@ def test_the_example_ends_where_plain_lightning_at_the_winners_lr_does(tmp_path)
     assert forks.startswith("with hpx ForksCallback") and forks.endswith("lr 0.005 -> 0.05")
     plain = last("--plain", "--lr", "0.05")
     assert forks.split("test loss ")[1].split(",")[0] == plain.split("test loss ")[1]
+
+
+def test_bf16_mixed_precision_reaches_every_fork(tmp_path):
+    """precision="bf16-mixed": each fork's training_step runs under Lightning's autocast, as your
+    run's does (without it the winner would differ from plain Lightning at its multiple)."""
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    module = Dropped(lr=0.001, steps=30)
+    _fit(tmp_path / "f", module, 30, [cb], precision="bf16-mixed")
+    assert cb.forks.factor == 16.0
+    plain = Dropped(lr=0.016, steps=30)
+    _fit(tmp_path / "p", plain, 30, precision="bf16-mixed")
+    assert _same(_params(module), _params(plain))
