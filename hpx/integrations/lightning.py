@@ -355,6 +355,11 @@ class ForksCallback(pl.Callback):
         self._batch = None
         if self.forks is not None and trainer.global_step > self._last_step:  # the optimizer stepped
             self._last_step = trainer.global_step
+            if self.forks._fresh:  # no backward since the last step: training_step gave no loss
+                raise ConfigError([f"training_step returned None at batch {batch_idx}: Lightning took "
+                                   "the optimizer step (and the schedule's) without a loss, which the other "
+                                   "forks cannot follow; return a loss at every step (leave unwanted batches "
+                                   "out of the DataLoader)"])
             clip = trainer.gradient_clip_val
             with _detached(pl_module):
                 self.forks.optimizer_step(max_grad_norm=float(clip) if clip else None)

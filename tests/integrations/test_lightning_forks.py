@@ -118,6 +118,11 @@ class _Manual(Dropped):
         return None
 
 
+class _Skips(Dropped):
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx == 3 else super().training_step(batch, batch_idx)
+
+
 class _EpochSchedule(Dropped):
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -127,6 +132,7 @@ class _EpochSchedule(Dropped):
 @pytest.mark.parametrize("module, kw, words", [
     (_Manual, {}, "manual optimization"),
     (_EpochSchedule, {}, "'interval': 'step'"),
+    (_Skips, {}, "returned None at batch 3"),
     (Dropped, {"gradient_clip_val": 0.1, "gradient_clip_algorithm": "value"},
      "gradient_clip_algorithm='value'"),
 ])
