@@ -40,3 +40,34 @@ def _lr(optimizer: Any) -> float:
     """Parameter group 0's learning rate (a float or a tensor in the group)."""
     lr = optimizer.param_groups[0]["lr"]
     return float(lr.item() if torch.is_tensor(lr) else lr)
+
+
+def _fork_metrics(record: Any) -> dict[str, float]:
+    """What an integration logs for a decision of :class:`hpx.Forks`: the multiple (and knob
+    values) your run trains at after it, every fork's probe loss by name, the end's gain."""
+    from hpx.history import _fork_labels
+
+    metrics = {f"hpx/{k}_multiple" if k == "lr" else f"hpx/{k}": float(v) for k, v in record.bases.items()}
+    for name, score in zip(_fork_labels(record), record.scores):
+        metrics[f"hpx/probe_loss/{name}"] = float(score)
+    if record.metrics and "gain" in record.metrics:
+        metrics["hpx/gain"] = float(record.metrics["gain"])
+    return metrics
+
+
+def _forks_state(forks: Any) -> dict[str, Any]:
+    """``forks.state_dict()`` without your run's model, optimizer and scheduler (the framework that
+    trains your run saves them)."""
+    saved = forks.state_dict()
+    saved["forks"][0] = {**saved["forks"][0], "model": None, "optimizer": None, "scheduler": None}
+    return saved
+
+
+def _load_forks_state(forks: Any, saved: dict[str, Any]) -> None:
+    """Load a :func:`_forks_state` into ``forks``, your run's part taken from your objects as the
+    framework restored them."""
+    start = forks._forks[0]
+    sched = None if start.scheduler is None else start.scheduler.state_dict()
+    saved["forks"][0].update(model=start.model.state_dict(), optimizer=start.optimizer.state_dict(),
+                             scheduler=sched)
+    forks.load_state_dict(saved)

@@ -58,7 +58,7 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning 
     raise ImportError("hpx.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
 
 from hpx.errors import ConfigError
-from hpx.integrations import _callback_problems, _lr
+from hpx.integrations import _callback_problems, _fork_metrics, _forks_state, _load_forks_state, _lr
 from hpx.sync_record import SyncRecord
 
 __all__ = ["AutoLR", "ForksCallback"]
@@ -181,17 +181,7 @@ class AutoLR(pl.Callback):
     def __getstate__(self) -> dict[str, Any]:
         """What ``strategy="ddp_spawn"`` pickles into each process: refused, with the fix, when
         ``loss_fn`` or ``probe`` cannot be pickled (a lambda, a local function)."""
-        import pickle
-
-        for name in ("loss_fn", "probe"):
-            try:
-                pickle.dumps(getattr(self, name))
-            except Exception as e:
-                raise ConfigError([f"AutoLR's {name} cannot be pickled ({type(e).__name__}: {e}), and "
-                                   "strategy='ddp_spawn' pickles the callbacks into every process it "
-                                   "starts: define loss_fn with def at a module's top level (not a "
-                                   "lambda or a local function), or use strategy='ddp'"]) from e
-        return self.__dict__.copy()
+        return _picklable(self, "AutoLR")
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -312,11 +302,7 @@ class ForksCallback(pl.Callback):
             self.forks._outside = True  # Lightning trains your run; hpx the others
             if self._pending is not None:
                 saved, self._pending = self._pending, None
-                start = self.forks._forks[0]
-                sched = None if start.scheduler is None else start.scheduler.state_dict()
-                saved["forks"][0].update(model=start.model.state_dict(),
-                                         optimizer=start.optimizer.state_dict(), scheduler=sched)
-                self.forks.load_state_dict(saved)
+                _load_forks_state(self.forks, saved)
         self._last_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -383,11 +369,7 @@ class ForksCallback(pl.Callback):
     def state_dict(self) -> dict[str, Any]:
         """hpx's state for Lightning's checkpoint: every fork but your run (whose module, optimizer
         and scheduler Lightning saves itself), the annealed copies in flight, the decisions."""
-        if self.forks is None:
-            return {}
-        saved = self.forks.state_dict()
-        saved["forks"][0] = {**saved["forks"][0], "model": None, "optimizer": None, "scheduler": None}
-        return saved
+        return {} if self.forks is None else _forks_state(self.forks)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._pending = state_dict or None
@@ -395,35 +377,34 @@ class ForksCallback(pl.Callback):
     def __getstate__(self) -> dict[str, Any]:
         """What ``strategy="ddp_spawn"`` pickles into each process (refused, with the fix, when
         ``loss_fn`` or ``probe`` cannot be pickled)."""
-        import pickle
-
-        for name in ("loss_fn", "probe"):
-            try:
-                pickle.dumps(getattr(self, name))
-            except Exception as e:
-                raise ConfigError([f"ForksCallback's {name} cannot be pickled ({type(e).__name__}: {e}), and "
-                                   "strategy='ddp_spawn' pickles the callbacks into every process it "
-                                   "starts: define loss_fn with def at a module's top level (not a "
-                                   "lambda or a local function), or use strategy='ddp'"]) from e
-        return self.__dict__.copy()
+        return _picklable(self, "ForksCallback")
 
     # --- helpers ---------------------------------------------------------------------------
 
     def _log(self, record: SyncRecord) -> None:
-        from hpx.history import _fork_labels
-
         trainer = self._trainer
         if trainer is None:
             return
-        metrics = {f"hpx/{k}_multiple" if k == "lr" else f"hpx/{k}": float(v)
-                   for k, v in record.bases.items()}
-        for name, score in zip(_fork_labels(record), record.scores):
-            metrics[f"hpx/probe_loss/{name}"] = float(score)
-        if record.metrics and "gain" in record.metrics:
-            metrics["hpx/gain"] = float(record.metrics["gain"])
+        metrics = _fork_metrics(record)
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=trainer.global_step)
+
+
+def _picklable(callback: pl.Callback, kind: str) -> dict[str, Any]:
+    """``callback``'s state for pickling into the processes ``strategy="ddp_spawn"`` starts,
+    refused with the fix when its ``loss_fn`` or ``probe`` cannot be pickled."""
+    import pickle
+
+    for name in ("loss_fn", "probe"):
+        try:
+            pickle.dumps(getattr(callback, name))
+        except Exception as e:
+            raise ConfigError([f"{kind}'s {name} cannot be pickled ({type(e).__name__}: {e}), and "
+                               "strategy='ddp_spawn' pickles the callbacks into every process it "
+                               "starts: define loss_fn with def at a module's top level (not a "
+                               "lambda or a local function), or use strategy='ddp'"]) from e
+    return callback.__dict__.copy()
 
 
 @contextlib.contextmanager

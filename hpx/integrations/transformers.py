@@ -68,7 +68,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise ImportError("hpx.integrations.transformers needs transformers: pip install transformers") from e
 
 from hpx.errors import ConfigError
-from hpx.integrations import _callback_problems, _lr
+from hpx.integrations import _callback_problems, _fork_metrics, _forks_state, _load_forks_state, _lr
 from hpx.sync_record import SyncRecord
 
 __all__ = ["AutoLR", "ForksTrainer"]
@@ -338,12 +338,7 @@ class ForksTrainer(Trainer):
             if not os.path.exists(path):
                 raise ConfigError([f"resuming at step {state.global_step}, but hpx's state is not in {path}: "
                                    "was the checkpoint saved by a ForksTrainer?"])
-            saved = torch.load(path, weights_only=False)
-            start = self.forks._forks[0]
-            sched = None if start.scheduler is None else start.scheduler.state_dict()
-            saved["forks"][0].update(model=start.model.state_dict(), optimizer=start.optimizer.state_dict(),
-                                     scheduler=sched)
-            self.forks.load_state_dict(saved)
+            _load_forks_state(self.forks, torch.load(path, weights_only=False))
 
     def _checkpoint(self, state: Any) -> str:
         """The checkpoint folder this ``train`` call resumes from."""
@@ -360,20 +355,11 @@ class ForksTrainer(Trainer):
     def _save_forks(self, state: Any) -> None:
         folder = os.path.join(self.args.output_dir, f"checkpoint-{state.global_step}")
         os.makedirs(folder, exist_ok=True)
-        saved = self.forks.state_dict()
-        saved["forks"][0] = {**saved["forks"][0], "model": None, "optimizer": None, "scheduler": None}
-        torch.save(saved, os.path.join(folder, _FORKS_FILE.format(rank=self.forks.collective.rank)))
+        path = os.path.join(folder, _FORKS_FILE.format(rank=self.forks.collective.rank))
+        torch.save(_forks_state(self.forks), path)
 
     def _log_forks(self, record: SyncRecord) -> None:
-        from hpx.history import _fork_labels
-
-        logs: dict[str, Any] = {f"hpx/{k}_multiple" if k == "lr" else f"hpx/{k}": float(v)
-                                for k, v in record.bases.items()}
-        for name, score in zip(_fork_labels(record), record.scores):
-            logs[f"hpx/probe_loss/{name}"] = float(score)
-        if record.metrics and "gain" in record.metrics:
-            logs["hpx/gain"] = float(record.metrics["gain"])
-        self.log(logs)
+        self.log(dict(_fork_metrics(record)))
 
 
 class _ForksEvents(TrainerCallback):
