@@ -235,3 +235,19 @@ def test_bf16_mixed_precision_reaches_every_fork(tmp_path):
     plain = Dropped(lr=0.016, steps=30)
     _fit(tmp_path / "p", plain, 30, precision="bf16-mixed")
     assert _same(_params(module), _params(plain))
+
+
+def test_other_knobs_fork_too_and_the_winners_value_lands_in_your_module(tmp_path):
+    """knobs=[hpx.Dropout(spread=0.4)] from p = 0.5: two more forks at your lr, at p = 0.1 and 0.9;
+    the winner (p = 0.1, with confidence) has its dropout, a value no state_dict holds, written
+    into your module's dropout layer."""
+    import hpx
+
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=(1,), cuts=((0.25, 2),),
+                       knobs=[hpx.Dropout(spread=0.4)])
+    module = Dropped(lr=0.1, steps=40, dropout=0.5)
+    _fit(tmp_path, module, 40, [cb])
+    f = cb.forks
+    assert len(f.history[0].scores) == 3  # your run, and p = 0.1 and 0.9 at your lr
+    assert f.decided and f.factor == 1.0 and f.history[-1].metrics["gain"] > 2
+    assert f.values["dropout"] == pytest.approx(0.1) and module.net[2].p == pytest.approx(0.1)
