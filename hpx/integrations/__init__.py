@@ -42,6 +42,18 @@ def _lr(optimizer: Any) -> float:
     return float(lr.item() if torch.is_tensor(lr) else lr)
 
 
+_FORKS_SETTINGS = ("multiples", "cuts", "cool", "confidence", "knobs", "on_sync")
+"""The :class:`hpx.Forks` settings an integration passes on (the rest come from the framework)."""
+
+
+def _forks_settings(settings: dict[str, Any], log: Any) -> dict[str, Any]:
+    """``settings`` as :class:`hpx.Forks` keyword arguments, the integration's ``log`` called at
+    every decision before the ``on_sync`` callbacks the user gave."""
+    on_sync = settings.get("on_sync", ())
+    extra = list(on_sync) if isinstance(on_sync, (list, tuple)) else [on_sync]
+    return {**{k: v for k, v in settings.items() if k != "on_sync"}, "on_sync": [log, *extra]}
+
+
 def _fork_metrics(record: Any) -> dict[str, float]:
     """What an integration logs for a decision of :class:`hpx.Forks`: the multiple (and knob
     values) your run trains at after it, every fork's probe loss by name, the end's gain."""

@@ -58,12 +58,18 @@ except ImportError as e:  # pragma: no cover - exercised only without lightning 
     raise ImportError("hpx.integrations.lightning needs PyTorch Lightning: pip install lightning") from e
 
 from hpx.errors import ConfigError
-from hpx.integrations import _callback_problems, _fork_metrics, _forks_state, _load_forks_state, _lr
+from hpx.integrations import (
+    _FORKS_SETTINGS,
+    _callback_problems,
+    _fork_metrics,
+    _forks_settings,
+    _forks_state,
+    _load_forks_state,
+    _lr,
+)
 from hpx.sync_record import SyncRecord
 
 __all__ = ["AutoLR", "ForksCallback"]
-
-_FORKS_SETTINGS = ("multiples", "cuts", "cool", "confidence", "knobs", "on_sync")
 
 
 class AutoLR(pl.Callback):
@@ -289,9 +295,6 @@ class ForksCallback(pl.Callback):
 
             backend = TorchDistributed()
         configs = trainer.strategy.lr_scheduler_configs
-        on_sync = self.settings.get("on_sync", ())
-        extra = list(on_sync) if isinstance(on_sync, (list, tuple)) else [on_sync]
-        settings = {k: v for k, v in self.settings.items() if k != "on_sync"}
         fn = self.loss_fn
         self._trainer = trainer
         with _detached(pl_module):  # the forks are copies of your module, not of the trainer it holds
@@ -299,7 +302,7 @@ class ForksCallback(pl.Callback):
                                    total_steps=int(trainer.estimated_stepping_batches),
                                    schedule=configs[0].scheduler if configs else None, probe=self.probe,
                                    loss_fn=lambda rep, b: fn(rep.model, b), backend=backend,
-                                   on_sync=[self._log, *extra], **settings)
+                                   **_forks_settings(self.settings, self._log))
             self.forks._outside = True  # Lightning trains your run; hpx the others
             if self._pending is not None:
                 saved, self._pending = self._pending, None

@@ -68,7 +68,15 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise ImportError("hpx.integrations.transformers needs transformers: pip install transformers") from e
 
 from hpx.errors import ConfigError
-from hpx.integrations import _callback_problems, _fork_metrics, _forks_state, _load_forks_state, _lr
+from hpx.integrations import (
+    _FORKS_SETTINGS,
+    _callback_problems,
+    _fork_metrics,
+    _forks_settings,
+    _forks_state,
+    _load_forks_state,
+    _lr,
+)
 from hpx.sync_record import SyncRecord
 
 __all__ = ["AutoLR", "ForksTrainer"]
@@ -220,7 +228,6 @@ def _callers() -> tuple[Any, str | None]:
 
 
 _FORKS_FILE = "hpx_forks_rank{rank}.pt"
-_FORKS_SETTINGS = ("multiples", "cuts", "cool", "confidence", "knobs", "on_sync")
 
 
 class ForksTrainer(Trainer):
@@ -325,13 +332,11 @@ class ForksTrainer(Trainer):
             from hpx.backends import TorchDistributed
 
             backend = TorchDistributed()
-        on_sync = self.forks_settings.get("on_sync", ())
-        extra = list(on_sync) if isinstance(on_sync, (list, tuple)) else [on_sync]
-        settings = {k: v for k, v in self.forks_settings.items() if k != "on_sync"}
         fn = self.probe_loss
         self.forks = hpx.Forks(self.model, optimizer, total_steps=int(state.max_steps), schedule=schedule,
-                               probe=self.probe, backend=backend, on_sync=[self._log_forks, *extra],
-                               loss_fn=lambda rep, b: (fn or _model_loss)(rep.model, b), **settings)
+                               probe=self.probe, backend=backend,
+                               loss_fn=lambda rep, b: (fn or _model_loss)(rep.model, b),
+                               **_forks_settings(self.forks_settings, self._log_forks))
         self.forks._outside = True  # the Trainer trains your run; hpx the others
         if state.global_step > 0:  # resumed: the Trainer has loaded your model, optimizer and scheduler
             path = os.path.join(self._checkpoint(state), _FORKS_FILE.format(rank=self.forks.collective.rank))
