@@ -537,3 +537,23 @@ def test_the_coexplore_forks_route_ends_at_a_fork_of_the_lr_or_of_the_knob():
     assert any(out["lr"] == pytest.approx(lr) and out["knob"] == pytest.approx(p) for lr, p in settings)
     assert final is model and all(m.p == pytest.approx(out["knob"]) for m in model.modules()
                                   if isinstance(m, torch.nn.Dropout))
+
+
+def test_a_reserve_fork_a_decade_below_the_first_cuts_best_runs_to_the_end():
+    cuts = ((0.1, 2), (0.5, 2), (1.0, 1))
+    mults = (1.0, 0.1, 0.3, 3.0, 10.0)
+    # from 3x the first cut's best scores 1x: without a reserve it keeps 1x and 0.3x and drops 0.1x;
+    # with one, 0.1x (a decade below the best) goes on too, to the end
+    _, _, _, free = _record_steps("halving", 3.0, mults=mults, cuts=cuts, protect=True)
+    _, _, _, kept = _record_steps("halving", 3.0, mults=mults, cuts=cuts, protect=True, reserve=10.0)
+    assert {f for f, _ in free[30:40]} == {0.3, 1.0}
+    assert {f for f, _ in kept[30:40]} == {0.1, 0.3, 1.0} and 0.1 in {f for f, _ in kept[-25:]}
+    # a reserve that is not the second cut's best still runs to the end beside the two it keeps
+    _, _, _, three = _record_steps("halving", 10.0, mults=(1.0, 0.01, 0.1, 10.0), cuts=cuts, protect=True,
+                                   reserve=10.0)
+    assert {f for f, _ in three[-25:]} == {0.01, 0.1, 1.0}
+    # from a start far too low the first cut's best is 10x: the fork a decade below it is the
+    # start, which every cut keeps anyway, so nothing changes
+    _, _, _, low = _record_steps("halving", 1e-3, mults=mults, cuts=cuts, protect=True)
+    _, _, _, low_r = _record_steps("halving", 1e-3, mults=mults, cuts=cuts, protect=True, reserve=10.0)
+    assert [f for f, _ in low] == [f for f, _ in low_r]

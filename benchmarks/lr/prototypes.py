@@ -178,7 +178,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             cuts: Sequence[tuple[float, int]] = ((0.10, 3), (0.25, 2), (0.50, 1)),
             protect: bool = False, cool: float = 0.0, confidence: float = 0.0,
             lost_start: bool = False, average: bool = True,
-            sided: bool = False, sign: float = 0.0) -> tuple[torch.nn.Module, float]:
+            sided: bool = False, sign: float = 0.0, reserve: float = 0.0) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -201,7 +201,10 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     reading's pull toward one side cannot cut every fork on the other. With ``sign`` ``> 0`` the
     end's test also passes a challenger whose mean probe loss is lower and that is lower on more
     examples than not by ``sign`` standard errors of a sign test (robust to the few examples that
-    carry most of a cross-entropy's variance)."""
+    carry most of a cross-entropy's variance). With ``reserve`` ``r > 1`` the first cut also keeps
+    the fork at ``1/r`` times the best-scoring fork's multiple (when there is one), and that fork
+    goes on to the end whatever the later cuts read: early readings favour the faster lr, so the
+    slower fork that a finished run would prefer is the one an early cut drops."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total) if average else 1.0
@@ -213,6 +216,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     # forks see the same draws (common random numbers), and the start's fork those of plain training
     rngs = [torch.random.get_rng_state()] * len(forks)
     initial = _scored(task, model, [p.detach() for p in model.parameters()]) if lost_start else math.nan
+    reserved, named = [False] * len(forks), False
     model.train()
     for t, b in enumerate(batches, 1):
         for i, f in enumerate(forks):
@@ -246,8 +250,17 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                                             _unit_losses(task, forks[own[0]][0], emas[own[0]]),
                                             confidence, sign):
                     order = [own[0]]
+            if reserve > 1 and keep > 1:
+                if not named:  # the first cut names the reserve
+                    named = True
+                    want = factors[ranked[0]] / reserve
+                    near = [i for i in range(len(forks)) if abs(math.log(factors[i] / want)) < 1e-6]
+                    if near and alive[near[0]] and factors[near[0]] != 1.0:
+                        reserved[near[0]] = True
+                order += [i for i in range(len(forks)) if reserved[i] and i not in order]
             forks, factors = [forks[i] for i in order], [factors[i] for i in order]
             emas, alive, rngs = [emas[i] for i in order], [alive[i] for i in order], [rngs[i] for i in order]
+            reserved = [reserved[i] for i in order]
     torch.random.set_rng_state(rngs[0])  # the global RNG ends where the survivor's run left it
     return forks[0][0], factors[0]
 
@@ -348,6 +361,9 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
                                                     average=False),
     "halving-sided-z2-lost": lambda *a: halving(*a, cuts=((0.10, 3), (1.0, 1)), protect=True, sided=True,
                                                 confidence=2.0, lost_start=True, average=False),
+    "halving-end-cool-z2-lost-last-reserve": lambda *a: halving(
+        *a, cuts=_TO_THE_END, protect=True, cool=0.05, confidence=2.0, lost_start=True, average=False,
+        reserve=10.0),
     # no early reading at all: the start and a fork a decade each side run to the end (3.0x the
     # steps, as the cooled halving), the confident end picks among the finished runs
     "trio-z2-lost": lambda *a: halving(*a, mults=(0.1, 1.0, 10.0), cuts=((1.0, 1),), protect=True,
