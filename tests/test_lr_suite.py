@@ -131,6 +131,30 @@ def test_the_table_reads_the_bar_again_on_the_tasks_whose_probe_resolves_the_gri
     assert "resolves" not in markdown("m", [dict(r, resolved=False) for r in rows])
 
 
+def test_the_table_counts_the_bar_again_by_the_probes_size_over_both_sets():
+    from benchmarks.lr.__main__ import markdown
+
+    def full(task, held, start, vs_plain, vs_oracle, end):
+        return {**_row(start, vs_plain, vs_oracle, end), "task": task, "resolved": False,
+                "held_out": held, "lr": 1.0, "plain": 1.0, "hpx": 1.0}
+
+    # char_gru's probe holds 4,096 tokens, wine_short's and iris_short's 30 rows
+    rows = [full("char_gru", False, "0.1x", 0.9, 1.01, 1.0), full("char_gru", False, "1x", 1.0, 1.0, 1.0),
+            full("char_gru", False, "10x", 0.8, 1.2, 5.0),
+            full("wine_short", True, "0.1x", 1.0, 1.3, 0.1), full("wine_short", True, "1x", 1.1, 1.1, 3.2),
+            full("wine_short", True, "10x", 0.5, 1.0, 1.0),
+            full("iris_short", False, "0.1x", 1.0, 1.0, 1.0), full("iris_short", False, "1x", 1.0, 1.0, 1.0),
+            full("iris_short", False, "10x", 1.0, 1.04, 1.0)]
+    md = markdown("m", rows)
+    assert ("on the 1 task whose probe holds more than 200 examples (tokens for a language model), no "
+            "harm on 1 of 1, recovered in 1 of 2 cells, the lr within 3x of the grid's best in 2 of 3") in md
+    # the held-out wine_short and the design iris_short are counted together
+    assert ("on the 2 tasks whose probe holds 200 or fewer examples (tokens for a language model), no harm "
+            "on 1 of 2, recovered in 3 of 4 cells, the lr within 3x of the grid's best in 4 of 6") in md
+    # rows of tasks outside the suite are left out of the count
+    assert "By the probe's size" not in markdown("m", [dict(r, task="x") for r in rows])
+
+
 def test_the_probes_pick_is_each_seeds_lowest_probe_loss_and_unknown_while_a_run_lacks_one():
     from benchmarks.lr.__main__ import probe_picks
 
