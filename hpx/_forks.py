@@ -146,12 +146,15 @@ _LOST = object()  # a fork that had no annealed copy (it was lost before the cut
 def paired_gain(a: torch.Tensor, b: torch.Tensor) -> float:
     """How many standard errors the losses ``a`` lie below ``b`` (``[U]`` each, paired unit by
     unit): the mean of ``b - a`` over its standard error; ``inf`` when only ``a`` is finite
-    everywhere, ``-inf`` the other way round, 0 when they are equal everywhere."""
+    everywhere, ``-inf`` the other way round, 0 when they are equal everywhere, and 0 for a single
+    unit (one difference says nothing about its noise)."""
     fa, fb = bool(torch.isfinite(a).all()), bool(torch.isfinite(b).all())
     if not (fa and fb):
         return math.inf if fa else -math.inf
     d = (b - a).double()
-    se = float(d.std()) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+    if len(d) < 2:
+        return 0.0
+    se = float(d.std()) / math.sqrt(len(d))
     mean = float(d.mean())
     if se == 0.0:
         return 0.0 if mean == 0.0 else math.copysign(math.inf, mean)

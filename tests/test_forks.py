@@ -328,6 +328,11 @@ def test_paired_gain():
     assert paired_gain(b - 1, b) == math.inf and paired_gain(b, b) == 0.0
     assert paired_gain(b, torch.tensor([1.0, math.nan, 3.0, 4.0])) == math.inf
     assert paired_gain(torch.tensor([math.inf, 1.0, 1.0, 1.0]), b) == -math.inf
+    # one unit gives no standard error: no evidence either way (it was an infinite gain), unless a
+    # side is not finite
+    one = torch.tensor([2.0])
+    assert paired_gain(one - 1, one) == 0.0 and paired_gain(one, one - 1) == 0.0
+    assert paired_gain(one, torch.tensor([math.nan])) == math.inf
 
 
 def test_accumulation_and_clipping_follow_plain_training():
