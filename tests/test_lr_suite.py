@@ -581,3 +581,40 @@ def test_a_reserve_fork_a_decade_below_the_first_cuts_best_runs_to_the_end():
     _, _, _, low = _record_steps("halving", 1e-3, mults=mults, cuts=cuts, protect=True)
     _, _, _, low_r = _record_steps("halving", 1e-3, mults=mults, cuts=cuts, protect=True, reserve=10.0)
     assert [f for f, _ in low] == [f for f, _ in low_r]
+
+
+def test_a_task_with_its_probe_cut_is_the_same_task_with_fewer_probe_examples():
+    full = get_task("teacher_long")
+    cut = get_task("teacher_long@probe150")
+    (x, y), = cut.probe()
+    assert cut.name == "teacher_long@probe150" and len(y) == 150
+    assert torch.equal(x, full.probe()[0][0][:150])  # the first examples, in order
+    assert torch.equal(cut.data()["train"][0], full.data()["train"][0]) and cut.steps == full.steps
+    # a language model's probe is cut in whole windows, at most n tokens (one window at least)
+    lm = get_task("char_gru@probe200")
+    assert [tuple(y.shape) for _, y in lm.probe()] == [(6, 32)]
+    assert sum(y.numel() for _, y in get_task("char_gru@probe10").probe()) == 32
+    with pytest.raises(SystemExit, match="positive whole number"):
+        get_task("teacher_long@probe0")
+    with pytest.raises(SystemExit, match="unknown task 'nope'"):
+        get_task("nope@probe10")
+
+
+def test_probesize_counts_the_bar_for_the_whole_probe_and_each_cut():
+    from benchmarks.lr.probesize import _as_base, counts, markdown
+
+    def row(start, vs_plain, vs_oracle, end):
+        return {"start": start, "vs_plain": vs_plain, "vs_oracle": vs_oracle, "end_vs_oracle": end}
+
+    good = [row("0.1x", 0.9, 1.0, 1.0), row("1x", 1.0, 1.0, 1.0), row("10x", 0.5, 1.01, 1.0)]
+    kept = [row("0.1x", 1.0, 1.3, 0.1), row("1x", 1.0, 1.0, 1.0), row("10x", 1.0, 1.2, 10.0)]
+    assert counts(good) == (1, 1, 2, 2, 3, 3) and counts(kept) == (1, 1, 0, 2, 1, 3)
+    assert counts([row("1x", math.nan, 1.0, 1.0)])[:2] == (0, 1)  # a NaN ratio is not "no harm"
+    md = markdown("Forks", [100], ["teacher_long"], {"teacher_long": good}, {("teacher_long", 100): kept})
+    assert "| teacher_long |  | 400: 1/1, 2/2, 3/3 | 1/1, 0/2, 1/3 |" in md
+    assert "--sizes 100" in md
+    # a cut task's runs are read under the base task's keys, one method only
+    store = {"teacher_long@probe100|Forks|0.001|0": {"val": 1.0}, "teacher_long|Forks|0.001|0": {"val": 2.0},
+             "teacher_long@probe100|autolr|0.001|0": {"val": 3.0}}
+    assert _as_base(store, "teacher_long@probe100", "teacher_long", "Forks") == {
+        "teacher_long|Forks|0.001|0": {"val": 1.0}}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from typing import Any
 
@@ -611,7 +611,29 @@ HELD_OUT: tuple[str, ...] = ("digits_cnn_bn_sgd", "char_lstm", "char_transformer
 
 
 def get_task(name: str) -> Task:
-    try:
-        return TASKS[name]
-    except KeyError:
-        raise SystemExit(f"unknown task {name!r} (tasks: {', '.join(TASKS)})") from None
+    """The task ``name``; ``"<task>@probe<n>"`` is that task with its probe cut to its first ``n``
+    examples (tokens for a language model, in whole sequences): the same data, model, optimizer
+    and schedule, to measure what the probe's size does (``python -m benchmarks.lr.probesize``)."""
+    base, _, size = name.partition("@probe")
+    if base not in TASKS:
+        raise SystemExit(f"unknown task {base!r} (tasks: {', '.join(TASKS)})")
+    if not size:
+        return TASKS[base]
+    if not size.isdigit() or int(size) < 1:
+        raise SystemExit(f"{name!r}: the probe's size after '@probe' must be a positive whole number")
+    return _probe_cut(base, int(size))
+
+
+@cache
+def _probe_cut(base: str, n: int) -> Task:
+    task = TASKS[base]
+    kept: list[Batch] = []
+    left = n
+    for x, y in task.data()["probe"]:
+        if left <= 0:
+            break
+        per = y[0].numel()  # examples per unit: 1 for a row, the context for a language model's window
+        k = min(len(y), max(1, left // per))  # whole units, at most n examples (one unit at least)
+        kept.append((x[:k], y[:k]))
+        left -= k * per
+    return replace(task, name=f"{base}@probe{n}", data=lambda: {**task.data(), "probe": kept})

@@ -1,0 +1,112 @@
+"""What the probe's size does to a search, on the same tasks: their probes cut smaller.
+
+    python -m benchmarks.lr.probesize [--method Forks] [--tasks ...] [--sizes 100]
+
+Across the suite, the tasks whose probe is small are also the small-data tasks, so a search that
+misses on them may miss for either reason. This separates the two: it reruns the method on tasks
+whose probe holds more than 200 examples (design tasks by default), from the suite's three starts
+and two seeds, with each task's probe cut to its first ``n`` examples (tokens for a language model,
+in whole sequences; ``get_task("<task>@probe<n>")``), everything else as in the suite (data,
+batches, model, optimizer, schedule, the plain-training grid it is judged against). The table
+reads the bar's quality rows for each task with its whole probe (the method's stored suite runs,
+``python -m benchmarks.lr eval``) and cut. Results go to ``runs/lr/probesize.json``; the section
+goes to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from benchmarks.lr.__main__ import GRIDS, RUNS, SEEDS, _load, _run_all, cells, table, write_section
+from benchmarks.lr.run import METHODS, Run
+from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
+
+__all__ = ["main"]
+
+STORE = RUNS / "probesize.json"
+
+
+def _size(task: str) -> int:
+    return sum(y.numel() for _, y in get_task(task).probe())
+
+
+def counts(rows: list[dict[str, Any]]) -> tuple[int, int, int, int, int, int]:
+    """(no harm, tasks, recovered, off cells, lr within 3x, cells) on ``rows`` (the bar's rows)."""
+    at = [r for r in rows if r["start"] == "1x"]
+    off = [r for r in rows if r["start"] != "1x"]
+    ok = lambda x, b: x == x and x <= b  # noqa: E731  (NaN is not ok)
+    return (sum(ok(r["vs_plain"], 1.02) for r in at), len(at),
+            sum(ok(r["vs_oracle"], 1.05) for r in off), len(off),
+            sum(1 / 3 <= r["end_vs_oracle"] <= 3 for r in rows), len(rows))
+
+
+def _as_base(store: dict[str, Any], variant: str, base: str, method: str) -> dict[str, Any]:
+    """The variant's runs keyed as the base task's, so the suite's table reads them."""
+    out = {}
+    for key, r in store.items():
+        task, m, rest = key.split("|", 2)
+        if task == variant and m == method:
+            out[f"{base}|{m}|{rest}"] = r
+    return out
+
+
+def markdown(method: str, sizes: list[int], tasks: list[str], full: dict[str, list[dict[str, Any]]],
+             cut: dict[tuple[str, int], list[dict[str, Any]]]) -> str:
+    def cell(c: tuple[int, ...]) -> str:
+        return f"{c[0]}/{c[1]}, {c[2]}/{c[3]}, {c[4]}/{c[5]}"
+
+    command = f"python -m benchmarks.lr.probesize --method {method} --sizes {' '.join(map(str, sizes))}"
+    lines = [f"Produced by `{command}` (which writes this section), one thread per run, two runs at a "
+             "time.", "",
+             "Across the suite the tasks whose probe is small are also the small-data ones, so a miss "
+             "there has two suspects. This reruns the method on tasks whose probe holds more than 200 "
+             "examples, from the suite's three starts and two seeds, with the probe cut to its first "
+             "`n` examples (tokens for a language model, in whole sequences); the data, batches, model, "
+             "optimizer, schedule and the grid it is judged against are the suite's. Each cell reads "
+             "the bar's quality rows: no harm (tasks), recovered from 10x off (cells), the lr within 3x "
+             "of the grid's best (cells).", "",
+             "| task | held out | probe | " + " | ".join(f"probe cut to {n}" for n in sizes) + " |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in sizes) + " |"]
+    for t in tasks:
+        lines.append(f"| {t} | {'yes' if t in HELD_OUT else ''} | {_size(t)}: {cell(counts(full[t]))} | "
+                     + " | ".join(f"{cell(counts(cut[(t, n)]))}" for n in sizes) + " |")
+    every = [r for t in tasks for r in full[t]]
+    lines.append(f"| all | | {cell(counts(every))} | "
+                 + " | ".join(cell(counts([r for t in tasks for r in cut[(t, n)]])) for n in sizes) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lr.probesize", description=__doc__.split("\n")[0])
+    p.add_argument("--method", default="Forks", choices=sorted(METHODS))
+    p.add_argument("--tasks", nargs="*",
+                   default=[t for t in TASKS if t not in HELD_OUT and _size(t) > 200])
+    p.add_argument("--sizes", nargs="+", type=int, default=[100])
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    a = p.parse_args(argv)
+    grids = _load(GRIDS)
+    store = _load(STORE)
+    runs = [Run(f"{t}@probe{n}", a.method, lr, s) for t in a.tasks for n in a.sizes
+            for lr in cells(t, grids).values() for s in SEEDS]
+    _run_all(runs, store, STORE, a.jobs)
+    suite = _load(RUNS / f"{a.method}.json")
+    missing = [t for t in a.tasks if any(Run(t, a.method, lr, s).key not in suite
+                                         for lr in cells(t, grids).values() for s in SEEDS)]
+    if missing:
+        names = " ".join(missing)
+        raise SystemExit(f"no suite runs of {a.method} on {names}: run "
+                         f"`python -m benchmarks.lr eval --method {a.method} --tasks {names}` first")
+    full = {t: table(a.method, [t], grids, suite) for t in a.tasks}
+    cut = {(t, n): table(a.method, [t], grids, _as_base(store, f"{t}@probe{n}", t, a.method))
+           for t in a.tasks for n in a.sizes}
+    body = markdown(a.method, a.sizes, a.tasks, full, cut)
+    print(body)
+    write_section("lr-probesize", "What the probe's size does: the same tasks, their probes cut", body,
+                  after="lr-ceiling")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
