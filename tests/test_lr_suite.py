@@ -594,8 +594,9 @@ def test_a_task_with_its_probe_cut_is_the_same_task_with_fewer_probe_examples():
     lm = get_task("char_gru@probe200")
     assert [tuple(y.shape) for _, y in lm.probe()] == [(6, 32)]
     assert sum(y.numel() for _, y in get_task("char_gru@probe10").probe()) == 32
-    with pytest.raises(SystemExit, match="positive whole number"):
-        get_task("teacher_long@probe0")
+    for bad in ("teacher_long@probe0", "teacher_long@probe", "teacher_long@probe1e3"):
+        with pytest.raises(SystemExit, match="positive whole number"):
+            get_task(bad)
     with pytest.raises(SystemExit, match="unknown task 'nope'"):
         get_task("nope@probe10")
 

@@ -614,10 +614,10 @@ def get_task(name: str) -> Task:
     """The task ``name``; ``"<task>@probe<n>"`` is that task with its probe cut to its first ``n``
     examples (tokens for a language model, in whole sequences): the same data, model, optimizer
     and schedule, to measure what the probe's size does (``python -m benchmarks.lr.probesize``)."""
-    base, _, size = name.partition("@probe")
+    base, cut, size = name.partition("@probe")
     if base not in TASKS:
         raise SystemExit(f"unknown task {base!r} (tasks: {', '.join(TASKS)})")
-    if not size:
+    if not cut:
         return TASKS[base]
     if not size.isdigit() or int(size) < 1:
         raise SystemExit(f"{name!r}: the probe's size after '@probe' must be a positive whole number")
