@@ -213,6 +213,7 @@ class Forks:
         self._plan = {s: k for s, k in self._plan.items() if s < self.total_steps}
         self._decide_at: tuple[int, int] | None = None  # (step, keep) of the cut in progress
         self._initial: float | None = None  # the probe loss of the initial weights
+        self._probe_units = 0  # the examples the end's test compared (known once it ran)
         self.factor = 1.0  # the lr multiple your run trains at: the winner's after the end
         self.values = dict(bases)  # ... and its knobs' values
         self.decided = False
@@ -442,7 +443,8 @@ class Forks:
                          metrics=None if math.isnan(gain) else {"gain": gain})
         self.history.append(rec)
         kept_m = ", ".join(_fork_label(self._forks[i].setting(), self._bases) for i in kept)
-        why = "" if math.isnan(gain) else f" (the challenger's gain: {gain:.2f} standard errors)"
+        why = "" if math.isnan(gain) else (f" (the challenger's gain: {gain:.2f} standard errors over "
+                                           f"{self._probe_units} probe examples)")
         if 0 < gain < self.confidence:  # the test kept your run: how much more probe would have told
             why += (f"; a probe about {(self.confidence / gain) ** 2:.3g}x as large would tell a difference "
                     "this size")
@@ -481,6 +483,7 @@ class Forks:
         """How many standard errors ``a`` scores below ``b`` on the probe, example by example."""
         pa, pb = self._probe_losses([a, b], units=True)
         la, lb = torch.cat([p.reshape(-1) for p in pa]), torch.cat([p.reshape(-1) for p in pb])
+        self._probe_units = len(la)  # for the log line: what the test had to go on
         return paired_gain(la, lb)
 
     # --- inspection and the end ---------------------------------------------------------------

@@ -163,8 +163,8 @@ def test_a_winner_draws_what_plain_training_draws_when_the_loader_shuffles_with_
 
 def test_the_confidence_test_keeps_your_run_when_the_probe_cannot_tell(caplog):
     """Same scenario, confidence 1e9: the challenger scores better but cannot win by a billion
-    standard errors, so your run stays and equals plain training at your lr; the log line says how
-    much larger a probe would have told the difference."""
+    standard errors, so your run stays and equals plain training at your lr; the log line says over
+    how many probe examples, and how much larger a probe would have told the difference."""
     model = _net()
     torch.manual_seed(3)
     forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9), total_steps=40,
@@ -176,7 +176,10 @@ def test_the_confidence_test_keeps_your_run_when_the_probe_cannot_tell(caplog):
     assert end.scores[1] < end.scores[0]  # the challenger (0.1) scored better ...
     assert 0 < end.metrics["gain"] < 1e9  # ... by a finite number of standard errors
     factor = f"{(1e9 / end.metrics['gain']) ** 2:.3g}x as large"
-    assert any(factor in r.getMessage() for r in caplog.records if "(end)" in r.getMessage())
+    examples = sum(len(y) for _, y in PROBE)
+    said = f"standard errors over {examples} probe examples"
+    assert any(factor in r.getMessage() and said in r.getMessage() for r in caplog.records
+               if "(end)" in r.getMessage())
     ref = _net()
     torch.manual_seed(3)
     _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.03, momentum=0.9), None, BATCHES[:40])
