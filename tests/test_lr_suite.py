@@ -602,7 +602,8 @@ def test_a_task_with_its_probe_cut_is_the_same_task_with_fewer_probe_examples():
 
 
 def test_probesize_counts_the_bar_for_the_whole_probe_and_each_cut():
-    from benchmarks.lr.probesize import _as_base, counts, markdown
+    from benchmarks.lr.__main__ import bar_counts as counts
+    from benchmarks.lr.probesize import _as_base, markdown
 
     def row(start, vs_plain, vs_oracle, end):
         return {"start": start, "vs_plain": vs_plain, "vs_oracle": vs_oracle, "end_vs_oracle": end}

@@ -264,23 +264,35 @@ def markdown(method: str, rows: list[dict[str, Any]]) -> str:
 PROBE_SPLIT = 200  # examples (tokens for a language model): where the probe's ceiling tables break
 
 
+def probe_size(task: str) -> int:
+    """The examples in ``task``'s probe (tokens for a language model)."""
+    return sum(y.numel() for _, y in get_task(task).probe())
+
+
+def bar_counts(rows: list[dict[str, Any]]) -> tuple[int, int, int, int, int, int]:
+    """The bar's quality rows as counts on ``rows``: (no harm, tasks, recovered, cells from 10x off,
+    the lr within 3x, cells); a NaN ratio counts as a miss."""
+    at = [r for r in rows if r["start"] == "1x"]
+    off = [r for r in rows if r["start"] != "1x"]
+    ok = lambda x, b: not math.isnan(x) and x <= b  # noqa: E731
+    return (sum(ok(r["vs_plain"], 1.02) for r in at), len(at),
+            sum(ok(r["vs_oracle"], 1.05) for r in off), len(off),
+            sum(1 / 3 <= r["end_vs_oracle"] <= 3 for r in rows), len(rows))
+
+
 def _by_probe_size(rows: list[dict[str, Any]]) -> list[str]:
     """The bar's quality rows counted on both sets together, split by the probe's size."""
-    size = {t: sum(y.numel() for _, y in TASKS[t].probe()) for t in {r["task"] for r in rows} if t in TASKS}
+    size = {t: probe_size(t) for t in {r["task"] for r in rows} if t in TASKS}
     parts = []
     for big, words in ((True, f"more than {PROBE_SPLIT}"), (False, f"{PROBE_SPLIT} or fewer")):
         part = [r for r in rows if r["task"] in size and (size[r["task"]] > PROBE_SPLIT) == big]
         if not part:
             continue
-        at = [r for r in part if r["start"] == "1x"]
-        off = [r for r in part if r["start"] != "1x"]
-        harm = sum(not math.isnan(r["vs_plain"]) and r["vs_plain"] <= 1.02 for r in at)
-        rec = sum(not math.isnan(r["vs_oracle"]) and r["vs_oracle"] <= 1.05 for r in off)
-        near = sum(1 / 3 <= r["end_vs_oracle"] <= 3 for r in part)
-        tasks = "task" if len(at) == 1 else "tasks"
-        parts.append(f"on the {len(at)} {tasks} whose probe holds {words} examples (tokens for a language "
-                     f"model), no harm on {harm} of {len(at)}, recovered in {rec} of {len(off)} cells, the "
-                     f"lr within 3x of the grid's best in {near} of {len(part)}; runs lost: "
+        harm, n_at, rec, n_off, near, n = bar_counts(part)
+        tasks = "task" if n_at == 1 else "tasks"
+        parts.append(f"on the {n_at} {tasks} whose probe holds {words} examples (tokens for a language "
+                     f"model), no harm on {harm} of {n_at}, recovered in {rec} of {n_off} cells, the "
+                     f"lr within 3x of the grid's best in {near} of {n}; runs lost: "
                      f"{sum(r['lost'] for r in part)}")
     return [f"By the probe's size (both sets together): {'; '.join(parts)}.", ""] if parts else []
 

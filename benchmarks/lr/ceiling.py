@@ -44,6 +44,7 @@ from benchmarks.lr.__main__ import (
     best_of_grid,
     grid_lrs,
     probe_picks,
+    probe_size,
     write_section,
 )
 from benchmarks.lr.run import Run, execute
@@ -65,7 +66,7 @@ def _rows(tasks: list[str], grids: dict[str, Any]) -> list[dict[str, Any]]:
         picks = [(lr, _val(grids, Run(task, "plain", lr, s))) for lr, s in zip(lrs_picked, SEEDS)]
         val = statistics.fmean(v for _, v in picks)
         ratio = math.exp(statistics.fmean(math.log(lr / lrs[i]) for lr, _ in picks))
-        probe = sum(y.numel() for _, y in get_task(task).probe())  # examples (tokens for an LM)
+        probe = probe_size(task)  # examples (tokens for an LM)
         rows.append({"task": task, "held_out": task in HELD_OUT, "best": lrs[i], "oracle": means[i],
                      "picks": [lr / lrs[i] for lr, _ in picks], "val": val, "vs_best": val / means[i],
                      "lr_ratio": ratio, "probe": probe})
@@ -124,7 +125,7 @@ def _chunk_table(tasks: list[str], grids: dict[str, Any], store: dict[str, Any],
             totals[k][0] += hit
             totals[k][1] += n
             cells.append(f"{hit} of {n}")
-        size = sum(y.numel() for _, y in get_task(task).probe())
+        size = probe_size(task)
         out.append(f"| {task} | {size} | " + " | ".join(cells) + " |")
     out.append("| all | | " + " | ".join(f"{h / n:.0%} ({h} of {n})" for h, n in totals.values()) + " |")
     return "\n".join(out)
@@ -151,11 +152,11 @@ def _halves_table(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]
         ok = {k: v for k, v in halves.items() if v is not None}
 
         per_seed = [_half_best(ok, lrs, 0, (s,)) == _half_best(ok, lrs, 1, (s,)) for s in SEEDS]
-        big = sum(y.numel() for _, y in get_task(task).probe()) > _SMALL
+        big = probe_size(task) > _SMALL
         agree[big][0] += sum(per_seed)
         agree[big][1] += len(per_seed)
         val = sum(y.numel() for _, y in get_task(task).data()["val"])
-        probe = sum(y.numel() for _, y in get_task(task).probe())
+        probe = probe_size(task)
         bests = [_half_best(ok, lrs, h, SEEDS) for h in (0, 1)]
         stable += all(b == lrs[i] for b in bests)
         means = ", ".join(f"{b / lrs[i]:.3g}" for b in bests)

@@ -19,27 +19,25 @@ import argparse
 import os
 from typing import Any
 
-from benchmarks.lr.__main__ import GRIDS, RUNS, SEEDS, _load, _run_all, cells, table, write_section
+from benchmarks.lr.__main__ import (
+    GRIDS,
+    PROBE_SPLIT,
+    RUNS,
+    SEEDS,
+    _load,
+    _run_all,
+    bar_counts,
+    cells,
+    probe_size,
+    table,
+    write_section,
+)
 from benchmarks.lr.run import METHODS, Run
-from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
+from benchmarks.lr.tasks import HELD_OUT, TASKS
 
 __all__ = ["main"]
 
 STORE = RUNS / "probesize.json"
-
-
-def _size(task: str) -> int:
-    return sum(y.numel() for _, y in get_task(task).probe())
-
-
-def counts(rows: list[dict[str, Any]]) -> tuple[int, int, int, int, int, int]:
-    """(no harm, tasks, recovered, off cells, lr within 3x, cells) on ``rows`` (the bar's rows)."""
-    at = [r for r in rows if r["start"] == "1x"]
-    off = [r for r in rows if r["start"] != "1x"]
-    ok = lambda x, b: x == x and x <= b  # noqa: E731  (NaN is not ok)
-    return (sum(ok(r["vs_plain"], 1.02) for r in at), len(at),
-            sum(ok(r["vs_oracle"], 1.05) for r in off), len(off),
-            sum(1 / 3 <= r["end_vs_oracle"] <= 3 for r in rows), len(rows))
 
 
 def _as_base(store: dict[str, Any], variant: str, base: str, method: str) -> dict[str, Any]:
@@ -54,7 +52,8 @@ def _as_base(store: dict[str, Any], variant: str, base: str, method: str) -> dic
 
 def markdown(method: str, sizes: list[int], tasks: list[str], full: dict[str, list[dict[str, Any]]],
              cut: dict[tuple[str, int], list[dict[str, Any]]]) -> str:
-    def cell(c: tuple[int, ...]) -> str:
+    def cell(rows: list[dict[str, Any]]) -> str:
+        c = bar_counts(rows)
         return f"{c[0]}/{c[1]}, {c[2]}/{c[3]}, {c[4]}/{c[5]}"
 
     command = f"python -m benchmarks.lr.probesize --method {method} --sizes {' '.join(map(str, sizes))}"
@@ -70,11 +69,11 @@ def markdown(method: str, sizes: list[int], tasks: list[str], full: dict[str, li
              "| task | held out | probe | " + " | ".join(f"probe cut to {n}" for n in sizes) + " |",
              "| --- | --- | --- | " + " | ".join("---" for _ in sizes) + " |"]
     for t in tasks:
-        lines.append(f"| {t} | {'yes' if t in HELD_OUT else ''} | {_size(t)}: {cell(counts(full[t]))} | "
-                     + " | ".join(f"{cell(counts(cut[(t, n)]))}" for n in sizes) + " |")
+        lines.append(f"| {t} | {'yes' if t in HELD_OUT else ''} | {probe_size(t)}: {cell(full[t])} | "
+                     + " | ".join(cell(cut[(t, n)]) for n in sizes) + " |")
     every = [r for t in tasks for r in full[t]]
-    lines.append(f"| all | | {cell(counts(every))} | "
-                 + " | ".join(cell(counts([r for t in tasks for r in cut[(t, n)]])) for n in sizes) + " |")
+    lines.append(f"| all | | {cell(every)} | "
+                 + " | ".join(cell([r for t in tasks for r in cut[(t, n)]]) for n in sizes) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -82,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.probesize", description=__doc__.split("\n")[0])
     p.add_argument("--method", default="Forks", choices=sorted(METHODS))
     p.add_argument("--tasks", nargs="*",
-                   default=[t for t in TASKS if t not in HELD_OUT and _size(t) > 200])
+                   default=[t for t in TASKS if t not in HELD_OUT and probe_size(t) > PROBE_SPLIT])
     p.add_argument("--sizes", nargs="+", type=int, default=[100])
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     a = p.parse_args(argv)
