@@ -620,3 +620,24 @@ def test_probesize_counts_the_bar_for_the_whole_probe_and_each_cut():
              "teacher_long@probe100|autolr|0.001|0": {"val": 3.0}}
     assert _as_base(store, "teacher_long@probe100", "teacher_long", "Forks") == {
         "teacher_long|Forks|0.001|0": {"val": 1.0}}
+
+
+def test_an_early_drop_leaves_the_start_alone_only_when_its_annealed_copy_wins_by_z():
+    from benchmarks.lr import prototypes
+    from benchmarks.lr.run import plain_train
+
+    cuts = ((0.25, 2), (1.0, 1))
+    kw = {"mults": (1.0, 1e-3, 1e-4), "cuts": cuts, "protect": True, "cool": 0.05, "confidence": 2.0}
+    prototypes.steps_taken(reset=True)
+    task, final, factor, dropped = _record_steps("halving", 1.0, drop=2.0, **kw)
+    assert prototypes.steps_taken(reset=True) == len(dropped)
+    # 3 forks to step 15, an annealed copy of each (3 steps), then the start alone: 45 + 9 + 45
+    assert len(dropped) == 99 and {f for f, _ in dropped[-45:]} == {1.0} and factor == 1.0
+    model = task.model(0)
+    opt = task.optimizer(model, 1.0)
+    gen = torch.Generator().manual_seed(3)
+    plain = plain_train(task, model, opt, task.scheduler(opt), [task.sample(gen) for _ in range(60)])
+    assert task.evaluate(final) == task.evaluate(plain)  # the rest of the run is plain training
+    # a bar the copy does not clear keeps the challenger to the end, where the test judges
+    _, _, _, kept = _record_steps("halving", 1.0, drop=1e9, **kw)
+    assert len(kept) == 45 + 9 + 2 * 45

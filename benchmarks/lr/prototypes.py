@@ -19,14 +19,25 @@ import torch.nn.functional as F
 from benchmarks.lr.tasks import Task
 from hpx._forks import paired_gain as _gain
 
-__all__ = ["LOOPS", "paired_gain", "probe_at", "probe_loss"]
+__all__ = ["LOOPS", "paired_gain", "probe_at", "probe_loss", "steps_taken"]
 
 State = tuple[torch.nn.Module, torch.optim.Optimizer, Any]
+_STEPS = [0]  # optimizer steps taken by prototypes in this process, annealed copies included
+
+
+def steps_taken(reset: bool = False) -> int:
+    """The optimizer steps prototypes have taken in this process (forks and annealed copies alike);
+    ``reset`` starts the count over after reading it."""
+    n = _STEPS[0]
+    if reset:
+        _STEPS[0] = 0
+    return n
 
 
 def _step(task: Task, state: State, batch: Any, factor: float) -> bool:
     """One optimizer step at ``factor`` times the scheduler's lr; False when the loss is not finite."""
     model, opt, sched = state
+    _STEPS[0] += 1
     loss = task.loss(model, batch)
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -178,7 +189,8 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             cuts: Sequence[tuple[float, int]] = ((0.10, 3), (0.25, 2), (0.50, 1)),
             protect: bool = False, cool: float = 0.0, confidence: float = 0.0,
             lost_start: bool = False, average: bool = True,
-            sided: bool = False, sign: float = 0.0, reserve: float = 0.0) -> tuple[torch.nn.Module, float]:
+            sided: bool = False, sign: float = 0.0, reserve: float = 0.0,
+            drop: float = 0.0) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -204,7 +216,10 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     carry most of a cross-entropy's variance). With ``reserve`` ``r > 1`` the first cut also keeps
     the fork at ``1/r`` times the best-scoring fork's multiple (when there is one), and that fork
     goes on to the end whatever the later cuts read: early readings favour the faster lr, so the
-    slower fork that a finished run would prefer is the one an early cut drops."""
+    slower fork that a finished run would prefer is the one an early cut drops. With ``drop`` ``z > 0``
+    (and ``cool``, ``protect``) a cut that keeps 2 keeps the start alone when its annealed copy beats
+    the challenger's by ``z`` standard errors, example by example: the rest of the run is plain
+    training, and the end's test, which could only keep the start, is not paid for."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total) if average else 1.0
@@ -231,8 +246,9 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             if cool > 0 and t < total:  # a finished fork is scored as it is
                 k = max(1, round(cool * total))
                 nxt = [batches[(t + j) % total] for j in range(k)]
-                scores = [_cooled(task, f, m, nxt) if ok else math.inf
+                copies = [_cooled_copy(task, f, m, nxt) if ok else None
                           for f, m, ok in zip(forks, factors, alive)]
+                scores = [math.inf if c is None else _scored(task, c[0], _last(c)) for c in copies]
             else:
                 scores = [_scored(task, f[0], e) if ok else math.inf for f, e, ok in zip(forks, emas, alive)]
             ranked = sorted(range(len(forks)), key=lambda i: (scores[i], abs(math.log(factors[i]))))
@@ -249,6 +265,12 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                 if not lost and not _passes(_unit_losses(task, forks[order[0]][0], emas[order[0]]),
                                             _unit_losses(task, forks[own[0]][0], emas[own[0]]),
                                             confidence, sign):
+                    order = [own[0]]
+            early = drop > 0 and cool > 0 and protect and keep == 2 and len(order) == 2
+            if early and own and own[0] in order:
+                other = copies[order[0] if order[1] == own[0] else order[1]]
+                if copies[own[0]] is not None and (other is None or _gain(
+                        _final_units(task, copies[own[0]]), _final_units(task, other)) >= drop):
                     order = [own[0]]
             if reserve > 1 and keep > 1:
                 if not named:  # the first cut names the reserve
@@ -278,17 +300,25 @@ def _passes(challenger: torch.Tensor, start: torch.Tensor, z: float, sign: float
     return (up - down) / math.sqrt(max(1, up + down)) >= sign
 
 
-def _cooled(task: Task, state: State, factor: float, batches: Sequence[Any]) -> float:
-    """The probe loss of a copy of ``state`` trained on ``batches`` with its lr factor falling
-    linearly from ``factor`` to 0 (the copy's last weights, in eval mode)."""
+def _cooled_copy(task: Task, state: State, factor: float, batches: Sequence[Any]) -> State | None:
+    """A copy of ``state`` trained on ``batches`` with its lr factor falling linearly from
+    ``factor`` to 0 (None when a loss was not finite)."""
     copy_ = copy.deepcopy(state)
     k = len(batches)
     ok = True
     for j, b in enumerate(batches):
         ok = ok and _step(task, copy_, b, factor * (k - j) / (k + 1))
-    if not ok:
-        return math.inf
-    return _scored(task, copy_[0], [p.detach() for p in copy_[0].parameters()])
+    return copy_ if ok else None
+
+
+def _last(state: State) -> list[torch.Tensor]:
+    """A state's own (last) weights."""
+    return [p.detach() for p in state[0].parameters()]
+
+
+def _final_units(task: Task, state: State) -> torch.Tensor:
+    """:func:`_unit_losses` at a state's own (last) weights."""
+    return _unit_losses(task, state[0], _last(state))
 
 
 @torch.no_grad()
@@ -361,6 +391,12 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
                                                     average=False),
     "halving-sided-z2-lost": lambda *a: halving(*a, cuts=((0.10, 3), (1.0, 1)), protect=True, sided=True,
                                                 confidence=2.0, lost_start=True, average=False),
+    "halving-end-cool-z2-lost-last-drop2": lambda *a: halving(
+        *a, cuts=_TO_THE_END, protect=True, cool=0.05, confidence=2.0, lost_start=True, average=False,
+        drop=2.0),
+    "halving-end-cool-z2-lost-last-drop0": lambda *a: halving(
+        *a, cuts=_TO_THE_END, protect=True, cool=0.05, confidence=2.0, lost_start=True, average=False,
+        drop=1e-9),
     "halving-end-cool-z2-lost-last-reserve": lambda *a: halving(
         *a, cuts=_TO_THE_END, protect=True, cool=0.05, confidence=2.0, lost_start=True, average=False,
         reserve=10.0),

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import hpx
-from benchmarks.lr.prototypes import LOOPS, probe_loss
+from benchmarks.lr.prototypes import LOOPS, probe_loss, steps_taken
 from benchmarks.lr.tasks import Task, get_task
 from hpx.search import Stretch
 
@@ -189,9 +189,11 @@ def _execute(run: Run, probe_chunks: tuple[int, ...], val_halves: bool) -> dict[
         final = plain_train(task, model, opt, sched, batches)
         seconds = time.perf_counter() - t0
     elif run.method in LOOPS:
+        steps_taken(reset=True)
         final, factor = LOOPS[run.method](task, model, opt, sched, batches)
         seconds = time.perf_counter() - t0
         out["end_lr"] = run.lr * factor
+        out["steps"] = steps_taken(reset=True) / task.steps  # the run's optimizer steps, in runs
     else:
         engine = METHODS[run.method](task, model, opt, sched, task.steps, run.seed)
         try:
