@@ -136,6 +136,46 @@ def test_a_winner_is_plain_training_at_its_multiple_loaded_into_your_objects():
     assert forks.factors == [best]
 
 
+def test_a_winner_under_onecycle_is_plain_onecycle_training_at_its_multiple():
+    """Every fork follows OneCycleLR's beta1 cycle step by step as torch sets it, and the winner's
+    weights and Adam state are those of plain OneCycle training at max_lr times its multiple."""
+    n = 40
+
+    def adamw_onecycle(model, lr):
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+        return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=n)
+
+    model = _net()
+    opt, sched = adamw_onecycle(model, 0.003)
+    torch.manual_seed(3)
+    forks = hpx.Forks(model, opt, total_steps=n, schedule=sched, probe=PROBE, multiples=(1.0, 10.0),
+                      cuts=(), confidence=0)
+    betas = []
+    for b in BATCHES[:n]:
+        forks.step(_loss, b)
+        if not forks.decided:
+            betas.append([f.optimizer.param_groups[0]["betas"] for f in forks._forks])
+    runs = {}
+    for m in (1.0, 10.0):
+        ref = _net()
+        ref_opt, ref_sched = adamw_onecycle(ref, 0.003 * m)
+        torch.manual_seed(3)
+        want = []
+        for b in BATCHES[:n]:
+            _plain(ref, ref_opt, ref_sched, [b])
+            want.append(ref_opt.param_groups[0]["betas"])
+        runs[m] = (ref, ref_opt)
+    assert len({w[0] for w in want}) > 5  # the scenario: beta1 cycles
+    assert betas == [[w, w] for w in want[:len(betas)]] and len(betas) == n - 1
+    best = min(runs, key=lambda m: _probe_loss(runs[m][0]))
+    assert best == 10.0  # the scenario: 10x the lr is better here, so the winner is adopted
+    assert forks.factor == best and opt.param_groups[0]["betas"] == runs[best][1].param_groups[0]["betas"]
+    for got, ref in zip(model.parameters(), runs[best][0].parameters()):
+        torch.testing.assert_close(got, ref)
+    got, ref = opt.state_dict()["state"], runs[best][1].state_dict()["state"]
+    assert all(torch.allclose(got[k]["exp_avg_sq"], ref[k]["exp_avg_sq"]) for k in ref)
+
+
 def test_a_winner_draws_what_plain_training_draws_when_the_loader_shuffles_with_the_global_stream():
     """Between steps a DataLoader that shuffles without its own generator takes from the global
     stream that dropout draws from; every fork draws at each step what your run draws there, so a

@@ -641,3 +641,34 @@ def test_an_early_drop_leaves_the_start_alone_only_when_its_annealed_copy_wins_b
     # a bar the copy does not clear keeps the challenger to the end, where the test judges
     _, _, _, kept = _record_steps("halving", 1.0, drop=1e9, **kw)
     assert len(kept) == 45 + 9 + 2 * 45
+
+
+def test_the_bar_table_reads_each_row_against_its_threshold(tmp_path, monkeypatch):
+    from benchmarks.lr import bar
+
+    def row(task, start, vs_plain, vs_oracle, end, lost=False):
+        return {"task": task, "start": start, "vs_plain": vs_plain, "vs_oracle": vs_oracle,
+                "end_vs_oracle": end, "lost": lost}
+
+    good = [row(f"t{i}", s, 1.0, 1.0, 1.0) for i in range(10) for s in ("0.1x", "1x", "10x")]
+    harm, rec, near, lost = bar._suite_rows(good)
+    assert near == "30 of 30 cells (100%) (met)"
+    assert harm == "10 of 10 tasks (100%) <= 1.02; the largest 1.000 (met)"
+    assert rec.startswith("20 of 20 cells (100%)") and rec.endswith("(met)") and lost == "0 (met)"
+    # one task at 1.03: still 90% <= 1.02, and all <= 1.05; a second at 1.06 breaks both
+    one = [row("t0", "1x", 1.03, 1.03, 1.0), *good[3:], *good[:1], *good[2:3]]
+    assert bar._suite_rows(one)[0].endswith("(met)")
+    two = [*one, row("t10", "1x", 1.06, 1.06, 1.0)]
+    assert bar._suite_rows(two)[0] == "9 of 11 tasks (82%) <= 1.02; the largest 1.060 (not met)"
+    # a recovered cell that is still more than 2% worse than plain at its start fails the row
+    worse = [*good, row("t11", "10x", 1.03, 1.0, 1.0)]
+    assert bar._suite_rows(worse)[1] == "21 of 21 cells (100%); at most 1.030x plain at that start (not met)"
+    assert bar._suite_rows([*good, row("t12", "1x", 1.0, 1.0, 4.0, lost=True)])[3] == "1 (not met)"
+    # the cost row: the method's seconds over plain's, per task of the set, from the cost store
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps({"digits_mlp": {"plain": 1.0, "Forks": 3.0},
+                                "char_gru": {"plain": 2.0, "Forks": 2.2}}))
+    monkeypatch.setattr(bar, "COST", cost)
+    assert bar._cost_row("Forks", held=False) == ("median 2.05x plain's wall time, 1.10-3.00 over 2 tasks "
+                                                  "(not met)")
+    assert bar._cost_row("Forks", held=True) == "no runs: `python -m benchmarks.lr.cost`"

@@ -4,6 +4,9 @@ plain training's, side by side in one process.
     python -m benchmarks.lr.cost [--tasks ...] [--repeats 2]   # prints the table; writes docs
     python -m benchmarks.lr.cost --method halving-end ...    # suite methods or prototypes instead
 
+Run on the whole suite with the default methods, it also writes the section of docs/benchmarks.md
+and keeps the seconds in ``runs/lr/cost.json``, where ``python -m benchmarks.lr.bar`` reads them.
+
 For every task, plain training and each method (exactly as the suite runs them, at the grid's
 best lr, seed 0) train on the same batches, taking turns, ``repeats`` times each, on one thread;
 the ratio is of the fastest run of each. The issue's bar is an overhead of at most 10% (a ratio
@@ -21,12 +24,13 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.lr.__main__ import GRIDS, _load, best_of_grid
+from benchmarks.lr.__main__ import GRIDS, RUNS, _load, _save, best_of_grid
 from benchmarks.lr.prototypes import LOOPS
 from benchmarks.lr.run import METHODS, plain_train
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
 ROOT = Path(__file__).resolve().parents[2]
+COST = RUNS / "cost.json"  # the whole suite's seconds per task (and Forks' steps), for benchmarks.lr.bar
 
 
 _STEPS: dict[tuple[str, str], float] = {}  # (task, method) -> optimizer steps over plain training's
@@ -118,9 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--method", nargs="+", default=["Forks", "autolr"], choices=sorted([*METHODS, *LOOPS]))
     a = p.parse_args(argv)
-    md = markdown(measure(a.tasks, a.repeats, a.method), a.repeats, a.method)
+    rows = measure(a.tasks, a.repeats, a.method)
+    md = markdown(rows, a.repeats, a.method)
     print(md)
     if a.tasks == list(TASKS) and a.method == ["Forks", "autolr"]:  # the section is hpx's two searches'
+        _save(COST, {name: {"plain": p, **{m: h for m, h in zip(a.method, hs)},
+                            **{f"{m} steps": _STEPS[(name, m)] for m in a.method if (name, m) in _STEPS}}
+                     for name, p, hs in rows})
         doc = ROOT / "docs" / "benchmarks.md"
         text = doc.read_text()
         start, end = "<!-- lr-cost -->", "<!-- /lr-cost -->"

@@ -1,0 +1,148 @@
+"""The learning-rate search's bar in one table, read on stored runs: the design and held-out tasks apart.
+
+    python -m benchmarks.lr.bar [--method Forks]   # prints the table and writes its docs section
+
+Nothing is trained here. Each row reads what a command of the suite stored:
+
+* no harm, recovery, the lr it ends at, lost runs: the method's suite runs
+  (``python -m benchmarks.lr eval --method M``, ``runs/lr/<M>.json``), as the suite's report reads them;
+* co-exploration (``Forks`` only, the README's route for a second knob): ``runs/lr/coexplore.json``
+  (``python -m benchmarks.lr.coexplore``);
+* cost: the side-by-side seconds of ``python -m benchmarks.lr.cost`` (``runs/lr/cost.json``);
+* the momentum cycle: the tests that check it step by step against torch (named in the row).
+
+A row whose runs are missing says which command makes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from typing import Any
+
+from benchmarks.lr.__main__ import GRIDS, RUNS, _load, bar_counts, table, write_section
+from benchmarks.lr.coexplore import PAIRS, _cells, _mean, _starts
+from benchmarks.lr.coexplore import PATH as COEXPLORE
+from benchmarks.lr.cost import COST
+from benchmarks.lr.tasks import HELD_OUT, TASKS
+
+__all__ = ["bar_rows", "main", "markdown"]
+
+# the tests that check the optimizer follows a scheduler's momentum / beta1 cycle as torch does
+CYCLE_TESTS = {
+    "Forks": "tests/test_forks.py::test_your_run_is_plain_training_bit_for_bit_when_it_is_kept, "
+             "::test_a_winner_under_onecycle_is_plain_onecycle_training_at_its_multiple",
+    "autolr": "tests/test_recipe.py::test_autolr_follows_the_schedulers_momentum_cycle_step_by_step",
+}
+
+
+def _cell(text: str, met: bool | None) -> str:
+    return f"{text} ({'met' if met else 'not met'})" if met is not None else text
+
+
+def _suite_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """The four rows read on the suite's runs of one set of tasks."""
+    harm, n_at, rec, n_off, near, n = bar_counts(rows)
+    at = [r["vs_plain"] for r in rows if r["start"] == "1x"]
+    worst_at = max((x for x in at if not math.isnan(x)), default=math.nan)
+    off = [r for r in rows if r["start"] != "1x"]
+    worse = max((r["vs_plain"] for r in off if not math.isnan(r["vs_plain"])), default=math.nan)
+    lost = sum(r["lost"] for r in rows)
+    all_105 = all(not math.isnan(x) and x <= 1.05 for x in at)
+    return [
+        _cell(f"{harm} of {n_at} tasks ({harm / n_at:.0%}) <= 1.02; the largest {worst_at:.3f}",
+              harm / n_at >= 0.9 and all_105),
+        _cell(f"{rec} of {n_off} cells ({rec / n_off:.0%}); at most {worse:.3f}x plain at that start",
+              rec / n_off >= 0.75 and not worse > 1.02),
+        _cell(f"{near} of {n} cells ({near / n:.0%})", near / n >= 0.8),
+        _cell(f"{lost}", lost == 0),
+    ]
+
+
+def _coexplore_row(held: bool) -> str:
+    """The forks route on the co-exploration pairs of one set (``Forks`` only)."""
+    store, grids = _load(COEXPLORE), _load(GRIDS)
+    names = [n for n in PAIRS if (n in HELD_OUT) == held]
+    if not store or not names:
+        return "no runs: `python -m benchmarks.lr.coexplore`"
+    at_best = bad = bad_ok = best_ok = 0
+    for name in names:
+        plain = {c: _mean(store, "plain", name, *c) for c in _cells(name, grids)}
+        best = min((v, c) for c, v in plain.items() if not math.isnan(v))
+        for k, start in enumerate(_starts(name, plain, best)):
+            v = _mean(store, "forks", name, *start)
+            if k == 0:
+                at_best, best_ok = at_best + 1, best_ok + (v <= 1.05 * best[0])
+            else:
+                bad, bad_ok = bad + 1, bad_ok + (v < plain[start])
+    return _cell(f"{len(names)} tasks: from the 2-D best within 5% on {best_ok} of {at_best}; from a bad "
+                 f"knob value better than plain on {bad_ok} of {bad}", best_ok == at_best and bad_ok == bad)
+
+
+def _cost_row(method: str, held: bool) -> str:
+    store = _load(COST)
+    names = [n for n in TASKS if (n in HELD_OUT) == held and n in store and method in store[n]]
+    if not names:
+        return "no runs: `python -m benchmarks.lr.cost`"
+    ratios = sorted(store[n][method] / store[n]["plain"] for n in names)
+    low, high = ratios[0], ratios[-1]
+    return _cell(f"median {statistics.median(ratios):.2f}x plain's wall time, {low:.2f}-{high:.2f} over "
+                 f"{len(names)} tasks", high <= 1.10)
+
+
+BAR = [
+    ("do no harm: hpx / plain at the grid's best lr, mean of 2 seeds",
+     "<= 1.02 on 90% of tasks, <= 1.05 on all"),
+    ("recover: from 10x below and 10x above",
+     "<= 1.05x the oracle on 75% of cells; never > 1.02x plain there"),
+    ("the fixed point: the lr it ends at", "within 3x of the grid's best on 80% of cells"),
+    ("no lost run", "none"),
+    ("co-exploration (lr + a second knob)",
+     "from the 2-D best <= 1.05x it; from a bad value better than plain"),
+    ("cost", "wall time <= 1.10x plain training's on every task"),
+    ("momentum cycle", "OneCycleLR's momentum / beta1 followed exactly (tested against torch)"),
+]
+
+
+def bar_rows(method: str) -> list[tuple[str, str, str, str]]:
+    """``(criterion, bar, design, held out)`` for each row of the bar."""
+    grids, store = _load(GRIDS), _load(RUNS / f"{method}.json")
+    cols = []
+    for held in (False, True):
+        names = [t for t in TASKS if (t in HELD_OUT) == held]
+        try:
+            suite = _suite_rows(table(method, names, grids, store))
+        except KeyError:
+            suite = [f"no runs: `python -m benchmarks.lr eval --method {method}`"] * 4
+        coexplore = _coexplore_row(held) if method == "Forks" else "not run (its route is the engine's)"
+        cycle = f"tested: {CYCLE_TESTS[method]}" if method in CYCLE_TESTS else "not tested"
+        cols.append([*suite, coexplore, _cost_row(method, held), cycle])
+    return [(c, b, d, h) for (c, b), d, h in zip(BAR, *cols)]
+
+
+def markdown(method: str) -> str:
+    n_held = sum(t in HELD_OUT for t in TASKS)
+    out = [f"Produced by `python -m benchmarks.lr.bar --method {method}` from the stored runs of the "
+           f"suite (`python -m benchmarks.lr eval --method {method}`), of `python -m "
+           "benchmarks.lr.coexplore` and of `python -m benchmarks.lr.cost`; the tables those write are "
+           "below. "
+           f"{len(TASKS) - n_held} design tasks and {n_held} held-out ones.", "",
+           "| criterion | bar | design tasks | held-out tasks |", "| --- | --- | --- | --- |"]
+    out += [f"| {c} | {b} | {d} | {h} |" for c, b, d, h in bar_rows(method)]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.lr.bar", description=__doc__.split("\n")[0])
+    p.add_argument("--method", default="Forks")
+    a = p.parse_args(argv)
+    md = markdown(a.method)
+    print(md)
+    if a.method == "Forks":  # the recommended search's bar is the one the docs show
+        write_section("lr-bar", "The learning-rate search against its bar (`hpx.Forks`)", md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
