@@ -21,13 +21,22 @@ import math
 import statistics
 from typing import Any
 
-from benchmarks.lr.__main__ import GRIDS, RUNS, _load, bar_counts, table, write_section
+from benchmarks.lr.__main__ import (
+    GRIDS,
+    PROBE_SPLIT,
+    RUNS,
+    _load,
+    bar_counts,
+    probe_size,
+    table,
+    write_section,
+)
 from benchmarks.lr.coexplore import PAIRS, _cells, _mean, _starts
 from benchmarks.lr.coexplore import PATH as COEXPLORE
 from benchmarks.lr.cost import COST
 from benchmarks.lr.tasks import HELD_OUT, TASKS
 
-__all__ = ["bar_rows", "main", "markdown"]
+__all__ = ["bar_rows", "by_probe_size", "main", "markdown"]
 
 # the tests that check the optimizer follows a scheduler's momentum / beta1 cycle as torch does
 CYCLE_TESTS = {
@@ -121,6 +130,24 @@ def bar_rows(method: str) -> list[tuple[str, str, str, str]]:
     return [(c, b, d, h) for (c, b), d, h in zip(BAR, *cols)]
 
 
+def by_probe_size(method: str) -> list[str]:
+    """The suite's four rows again, both sets together, split by the probe's size (markdown lines)."""
+    try:
+        rows = table(method, list(TASKS), _load(GRIDS), _load(RUNS / f"{method}.json"))
+    except KeyError:
+        return []
+    big = {t for t in TASKS if probe_size(t) > PROBE_SPLIT}
+    parts = [[r for r in rows if (r["task"] in big) == b] for b in (True, False)]
+    n = [len({r["task"] for r in part}) for part in parts]
+    out = ["", "The same four rows by the probe's size (tokens for a language model), both sets together:",
+           "",
+           f"| criterion | probe of more than {PROBE_SPLIT} examples ({n[0]} tasks) | {PROBE_SPLIT} or fewer "
+           f"({n[1]} tasks) |", "| --- | --- | --- |"]
+    cols = [_suite_rows(part) for part in parts]
+    out += [f"| {c} | {a} | {b} |" for (c, _), a, b in zip(BAR, *cols)]
+    return out
+
+
 def markdown(method: str) -> str:
     n_held = sum(t in HELD_OUT for t in TASKS)
     out = [f"Produced by `python -m benchmarks.lr.bar --method {method}` from the stored runs of the "
@@ -130,6 +157,7 @@ def markdown(method: str) -> str:
            f"{len(TASKS) - n_held} design tasks and {n_held} held-out ones.", "",
            "| criterion | bar | design tasks | held-out tasks |", "| --- | --- | --- | --- |"]
     out += [f"| {c} | {b} | {d} | {h} |" for c, b, d, h in bar_rows(method)]
+    out += by_probe_size(method)
     return "\n".join(out) + "\n"
 
 
