@@ -162,7 +162,8 @@ def _val_halves(task: Task, model: torch.nn.Module) -> list[float]:
 
 def execute(run: Run, probe_chunks: tuple[int, ...] = (), val_halves: bool = False) -> dict[str, Any]:
     """Train once; ``{"val", "probe", "lost", "seconds", "end_lr", "history"}`` (val is NaN when
-    the run diverged; probe, the final weights' loss on the probe split, is None then). For each
+    the run diverged; probe, the final weights' loss on the probe split, is None then), and for a
+    prototype loop ``"steps"``: its optimizer steps (forks and annealed copies) over the task's. For each
     ``k`` in ``probe_chunks``, ``out["chunks"][str(k)]`` holds the final weights' loss on each
     disjoint chunk of the probe of about ``k`` examples (tokens for a language model). With
     ``val_halves``, ``out["val_halves"]`` holds the validation loss on each half of its rows.
