@@ -383,6 +383,8 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
                                                         confidence=2.0, lost_start=True, average=False),
     "halving-end-cool-z1.5-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                           confidence=1.5, lost_start=True, average=False),
+    "halving-end-cool-z3-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
+                                                        confidence=3.0, lost_start=True, average=False),
     "halving-end-cool-z2-sign2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                               confidence=2.0, lost_start=True, average=False,
                                                               sign=2.0),
