@@ -331,7 +331,9 @@ digits_cnn_adam, friedman_short, char_gru_adamw). Four held-out tasks (moons_dro
 digits_cnn_adam, digits_mlp_adam_long, diabetes_short) had their runs read cut by cut while the
 end's test was diagnosed; five fresh ones replaced them (commit 89c03bc: blobs_dropout,
 digits_cnn_bn_adam, char_transformer_adam, digits_gru_sgd, sparse_dropout). Tasks read that way
-are design tasks since.
+are design tasks since. A fifth set was added to widen the held-out evidence, not to replace any
+(commit 2667eea: digits_cnn_adamw, cancer_sgd, char_lstm_sgd, bert_tiny_cosine,
+clusters_adam_step); `Forks` and `autolr` ran on it once, unchanged.
 
 Each task's grid: 9 peak learning rates half a decade apart, 2 seeds each, plain training (the
 user's loop: backward, step, scheduler step); the best is the lowest mean validation loss, and
