@@ -34,6 +34,8 @@ from benchmarks.lr.__main__ import (
 from benchmarks.lr.coexplore import PAIRS, _cells, _mean, _starts
 from benchmarks.lr.coexplore import PATH as COEXPLORE
 from benchmarks.lr.cost import COST
+from benchmarks.lr.prototypes import LOOPS
+from benchmarks.lr.run import METHODS
 from benchmarks.lr.tasks import HELD_OUT, TASKS
 
 __all__ = ["bar_rows", "by_probe_size", "main", "markdown"]
@@ -163,7 +165,7 @@ def markdown(method: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.bar", description=__doc__.split("\n")[0])
-    p.add_argument("--method", default="Forks")
+    p.add_argument("--method", default="Forks", choices=sorted([*METHODS, *LOOPS]))
     a = p.parse_args(argv)
     md = markdown(a.method)
     print(md)
