@@ -383,6 +383,10 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
                                                         confidence=2.0, lost_start=True, average=False),
     "halving-end-cool-z1.5-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                           confidence=1.5, lost_start=True, average=False),
+    # one cut, at 10% of the run, straight to your run and the best challenger (no 3-fork phase)
+    "halving-two-cool-z2-lost-last": lambda *a: halving(*a, cuts=((0.10, 2), (1.0, 1)), protect=True,
+                                                        cool=0.05, confidence=2.0, lost_start=True,
+                                                        average=False),
     "halving-end-cool-z3-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                         confidence=3.0, lost_start=True, average=False),
     "halving-end-cool-z2-sign2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
