@@ -93,13 +93,16 @@ def _coexplore_row(held: bool) -> str:
 
 def _cost_row(method: str, held: bool) -> str:
     store = _load(COST)
-    names = [n for n in TASKS if (n in HELD_OUT) == held and n in store and method in store[n]]
+    wanted = [n for n in TASKS if (n in HELD_OUT) == held]
+    names = [n for n in wanted if n in store and method in store[n]]
     if not names:
         return "no runs: `python -m benchmarks.lr.cost`"
     ratios = sorted(store[n][method] / store[n]["plain"] for n in names)
     low, high = ratios[0], ratios[-1]
+    missing = len(wanted) - len(names)
+    rest = f" ({missing} not measured: `python -m benchmarks.lr.cost`)" if missing else ""
     return _cell(f"median {statistics.median(ratios):.2f}x plain's wall time, {low:.2f}-{high:.2f} over "
-                 f"{len(names)} tasks", high <= 1.10)
+                 f"{len(names)} tasks{rest}", high <= 1.10 and not missing)
 
 
 BAR = [
