@@ -11,7 +11,7 @@ from numbers import Integral, Real
 from typing import Any
 
 import torch
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from hpx import _checks
 from hpx._step import _split
@@ -298,7 +298,11 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
     if not isinstance(total_steps, Integral) or isinstance(total_steps, bool) or total_steps < 2:
         problems.append(f"total_steps must be an integer >= 2, the run's length in optimizer steps "
                         f"(got {total_steps!r})")
-    if isinstance(schedule, LRScheduler):
+    if isinstance(schedule, ReduceLROnPlateau):
+        problems.append("schedule=ReduceLROnPlateau steps on a metric your loop measures, which Forks cannot "
+                        "give each fork: pass a step-driven scheduler (OneCycleLR, CosineAnnealingLR, a "
+                        "LambdaLR, ...) or no schedule")
+    elif isinstance(schedule, LRScheduler):
         if schedule.optimizer is not optimizer:
             problems.append("the schedule is built on another optimizer than the one given: build it on "
                             "the optimizer you pass")

@@ -459,6 +459,13 @@ def test_a_schedule_on_another_optimizer_or_a_foreign_optimizer_is_refused():
         hpx.Forks(model, opt, total_steps=20, probe=PROBE, schedule=sched)
     with pytest.raises(hpx.ConfigError, match="not the model's"):
         hpx.Forks(model, torch.optim.SGD(other.parameters(), lr=0.1), total_steps=20, probe=PROBE)
+    # a metric-driven schedule cannot be stepped per fork: refused before anything trains
+    before = [p.detach().clone() for p in model.parameters()]
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(hpx.ConfigError, match="ReduceLROnPlateau steps on a metric"):
+        hpx.Forks(model, opt, total_steps=20, probe=PROBE, schedule=plateau)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert opt.param_groups[0]["lr"] == 0.1
 
 
 def _ranks(rank: int, world: int) -> dict:
