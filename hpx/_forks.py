@@ -229,6 +229,15 @@ def common_draws(device: torch.device, calls: Sequence[Callable[[], Any]]) -> li
     return out
 
 
+def _unstepped(scheduler: Any) -> bool:
+    """Whether ``scheduler`` (or one that a SequentialLR or ChainedScheduler holds, which keep no
+    step count of their own) has not stepped since it was built."""
+    n = getattr(scheduler, "_step_count", None)
+    if n is not None:
+        return n == 1
+    return any(_unstepped(s) for s in getattr(scheduler, "_schedulers", ()))
+
+
 def _scalar_or_rows(v: Any) -> torch.Tensor:
     if not torch.is_tensor(v) or v.dim() > 1:
         raise TypeError(f"the probe's loss_fn must return a scalar or one loss per example (got "

@@ -58,6 +58,7 @@ from hpx._forks import (
     _forward_backward,
     _ranked,
     _settings_problems,
+    _unstepped,
     common_draws,
     knob_values,
     knobs_problems,
@@ -338,7 +339,7 @@ class Forks:
                 for g, lr in zip(groups, lrs):
                     g["lr"] = lr
         if f.scheduler is not None:
-            if f.scheduler._step_count == 1:  # a copy's optimizer step is not wrapped by torch's
+            if _unstepped(f.scheduler):  # a copy's optimizer step is not wrapped by torch's
                 with warnings.catch_warnings():  # order check, which would warn once per copy
                     warnings.filterwarnings("ignore", message=r"Seems like `optimizer\.step\(\)`")
                     f.scheduler.step()

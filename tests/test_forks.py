@@ -7,6 +7,7 @@ import copy
 import io
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -174,6 +175,37 @@ def test_a_winner_under_onecycle_is_plain_onecycle_training_at_its_multiple():
         torch.testing.assert_close(got, ref)
     got, ref = opt.state_dict()["state"], runs[best][1].state_dict()["state"]
     assert all(torch.allclose(got[k]["exp_avg_sq"], ref[k]["exp_avg_sq"]) for k in ref)
+
+
+_LR = torch.optim.lr_scheduler
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: _LR.SequentialLR(o, [_LR.LinearLR(o, 0.1, 1.0, 5), _LR.CosineAnnealingLR(o, 35)], [5]),
+    lambda o: _LR.ChainedScheduler([_LR.ExponentialLR(o, 0.99), _LR.StepLR(o, 10, 0.5)]),
+], ids=["SequentialLR", "ChainedScheduler"])
+def test_schedulers_that_hold_schedulers_are_followed_by_every_fork(make):
+    """A warm-up then cosine (SequentialLR) or a product of schedules (ChainedScheduler), which keep
+    no step count of their own: the winner ends as plain training under the same scheduler at its
+    multiple, and no warning of torch's step-order check is left to the user."""
+    n = 40
+    model = _net(p=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        forks = hpx.Forks(model, opt, total_steps=n, schedule=make(opt), probe=PROBE, multiples=(0.1, 1.0),
+                          cuts=(), confidence=0)
+        for b in BATCHES[:n]:
+            forks.step(_loss, b)
+    runs = {}
+    for m in (0.1, 1.0):
+        ref = _net(p=0.0)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.03 * m, momentum=0.9)
+        runs[m] = _plain(ref, ref_opt, make(ref_opt), BATCHES[:n])
+    best = min(runs, key=lambda m: _probe_loss(runs[m]))
+    assert forks.factor == best
+    for got, want in zip(model.parameters(), runs[best].parameters()):
+        torch.testing.assert_close(got, want)
 
 
 def test_a_winner_draws_what_plain_training_draws_when_the_loader_shuffles_with_the_global_stream():
