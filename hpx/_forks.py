@@ -4,6 +4,7 @@ paired test, the common random draws, the probe's losses per example and the che
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence, Sized
@@ -71,7 +72,13 @@ class _Fork:
         """A deep copy of this fork's model, optimizer and scheduler (one copy: the optimizer holds
         the copied model's parameters and the scheduler the copied optimizer), at ``factor`` and
         ``values`` (default: this fork's; write them with :meth:`apply`)."""
-        model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler))
+        try:
+            model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler))
+        except (TypeError, copy.Error, RuntimeError) as e:
+            raise ConfigError([f"Forks trains each fork on a deep copy of your model, optimizer and "
+                               f"scheduler, and copy.deepcopy failed ({type(e).__name__}: {e}): keep what "
+                               "cannot be copied (a lock, an open file, a process handle) off the model, "
+                               "or give it a __deepcopy__"]) from e
         return _Fork(self.factor if factor is None else factor, Replica(index, model, opt), sched, ramp,
                      self.values if values is None else values)
 
@@ -300,6 +307,11 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
         if foreign:
             problems.append(f"the optimizer holds {foreign} parameter(s) that are not the model's: build it "
                             "on model.parameters()")
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            problems.append(f"{type(optimizer).__name__} needs a closure at every step (it re-evaluates the "
+                            "loss), and Forks steps each fork with optimizer.step(): use a first-order "
+                            "optimizer (SGD, Adam, AdamW, ...)")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) or any(
             type(p).__name__ == "DTensor" for p in model.parameters()):
         problems.append("Forks averages each fork's gradients over the ranks itself: pass the bare model, "

@@ -7,6 +7,7 @@ import copy
 import io
 import logging
 import math
+import threading
 import warnings
 
 import pytest
@@ -483,7 +484,7 @@ def test_bad_settings_name_the_value_and_the_fix(kwargs, match):
         hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.1), **settings)
 
 
-def test_a_schedule_on_another_optimizer_or_a_foreign_optimizer_is_refused():
+def test_set_ups_forks_cannot_run_are_refused_with_the_fix_before_anything_trains():
     model, other = _net(), _net(seed=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(other.parameters(), lr=0.1), 5)
@@ -491,6 +492,14 @@ def test_a_schedule_on_another_optimizer_or_a_foreign_optimizer_is_refused():
         hpx.Forks(model, opt, total_steps=20, probe=PROBE, schedule=sched)
     with pytest.raises(hpx.ConfigError, match="not the model's"):
         hpx.Forks(model, torch.optim.SGD(other.parameters(), lr=0.1), total_steps=20, probe=PROBE)
+    # an optimizer that needs a closure cannot be stepped per fork: refused, nothing trained
+    with pytest.raises(hpx.ConfigError, match="LBFGS needs a closure at every step"):
+        hpx.Forks(model, torch.optim.LBFGS(model.parameters()), total_steps=20, probe=PROBE)
+    # a model that cannot be deep-copied: the error says what Forks copies and what to do
+    model.lock = threading.Lock()
+    with pytest.raises(hpx.ConfigError, match=r"copy.deepcopy failed \(TypeError: cannot pickle"):
+        hpx.Forks(model, opt, total_steps=20, probe=PROBE)
+    del model.lock
     # a metric-driven schedule cannot be stepped per fork: refused before anything trains
     before = [p.detach().clone() for p in model.parameters()]
     plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
