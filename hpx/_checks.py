@@ -4,6 +4,7 @@ the fix, for a :class:`~hpx.ConfigError`. Pure functions; nothing here touches a
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -23,6 +24,17 @@ def shown(v: Any) -> str:
         return f"a {type(v).__name__} of {len(v)} items ({', '.join(type(x).__name__ for x in v[:4])})"
     text = repr(v)
     return f"{text[:60]}..." if len(text) > 60 else text
+
+
+def closure_problems(optimizer: torch.optim.Optimizer) -> list[str]:
+    """An optimizer whose ``step`` needs a closure (``LBFGS``): hpx steps every replica or fork with
+    ``optimizer.step()``, after its own backward."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    if closure is None or closure.default is not inspect.Parameter.empty:
+        return []
+    return [f"{type(optimizer).__name__} needs a closure at every step (it re-evaluates the loss), and hpx "
+            "steps each replica or fork with optimizer.step(): use a first-order optimizer (SGD, Adam, "
+            "AdamW, ...)"]
 
 
 def backend_problems(backend: Any) -> list[str]:

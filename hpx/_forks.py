@@ -4,7 +4,6 @@ paired test, the common random draws, the probe's losses per example and the che
 from __future__ import annotations
 
 import copy
-import inspect
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence, Sized
@@ -307,11 +306,7 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
         if foreign:
             problems.append(f"the optimizer holds {foreign} parameter(s) that are not the model's: build it "
                             "on model.parameters()")
-        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
-        if closure is not None and closure.default is inspect.Parameter.empty:
-            problems.append(f"{type(optimizer).__name__} needs a closure at every step (it re-evaluates the "
-                            "loss), and Forks steps each fork with optimizer.step(): use a first-order "
-                            "optimizer (SGD, Adam, AdamW, ...)")
+        problems += _checks.closure_problems(optimizer)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) or any(
             type(p).__name__ == "DTensor" for p in model.parameters()):
         problems.append("Forks averages each fork's gradients over the ranks itself: pass the bare model, "

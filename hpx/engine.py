@@ -475,6 +475,8 @@ def _build_replicas(model: torch.nn.Module, optimizer: Union[OptimizerFactory, t
         opt = optimizer if is_opt else optimizer(m)
         if not isinstance(opt, torch.optim.Optimizer):
             raise ConfigError([f"the optimizer factory returned {type(opt).__name__}, not an Optimizer"])
+        if problems := _checks.closure_problems(opt):
+            raise ConfigError(problems)
         own = {id(p) for p in m.parameters()}
         foreign = sum(id(p) not in own for g in opt.param_groups for p in g["params"])
         if foreign:

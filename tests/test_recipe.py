@@ -132,6 +132,14 @@ def test_autolr_refuses_groups_with_different_shapes():
         hpx.autolr(mlp(), lambda m: two_groups(m), total_steps=10, schedule=sched)
 
 
+def test_autolr_refuses_an_optimizer_that_needs_a_closure_before_anything_trains():
+    model = mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(hpx.ConfigError, match="LBFGS needs a closure at every step"):
+        hpx.autolr(model, torch.optim.LBFGS(model.parameters()), total_steps=10)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
 def test_autolr_lists_every_bad_setting():
     with pytest.raises(hpx.ConfigError) as e:
         hpx.autolr(mlp(), lambda m: two_groups(m), total_steps=0, meta_lr=0.1, schedule=3,
