@@ -323,7 +323,11 @@ class ForksTrainer(Trainer):
                             "in one process): launch one process per GPU with torchrun")
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         schedule = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
-        if schedule is not None and getattr(schedule, "optimizer", None) is not optimizer:
+        if isinstance(schedule, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            problems.append("lr_scheduler_type='reduce_lr_on_plateau' steps on an evaluation metric, which "
+                            "hpx cannot give each fork: choose another lr_scheduler_type (linear, "
+                            "cosine, ...)")
+        elif schedule is not None and getattr(schedule, "optimizer", None) is not optimizer:
             problems.append("the learning-rate scheduler is not built on the Trainer's optimizer: build the "
                             "scheduler you pass in optimizers=(optimizer, scheduler) on that optimizer")
         ConfigError.check(problems)

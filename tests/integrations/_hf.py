@@ -73,10 +73,10 @@ def two_ranks(rank, world_size, out):
 def forks_args(out, steps, lr, **kw):
     from transformers import TrainingArguments
 
-    return TrainingArguments(output_dir=str(out), max_steps=steps, learning_rate=lr,
-                             lr_scheduler_type="linear", warmup_steps=4, report_to="none", use_cpu=True,
-                             logging_steps=10_000, disable_tqdm=True, seed=0,
-                             **{"save_strategy": "no", "per_device_train_batch_size": 32, **kw})
+    return TrainingArguments(output_dir=str(out), max_steps=steps, learning_rate=lr, report_to="none",
+                             use_cpu=True, logging_steps=10_000, disable_tqdm=True, seed=0,
+                             **{"save_strategy": "no", "per_device_train_batch_size": 32,
+                                "lr_scheduler_type": "linear", "warmup_steps": 4, **kw})
 
 
 def forks_two_ranks(rank, world_size, out):

@@ -134,6 +134,17 @@ def test_loading_the_best_checkpoint_at_the_end_is_refused(tmp_path):
     assert t.state.global_step == 0
 
 
+def test_a_plateau_scheduler_is_refused_with_the_trainers_own_setting(tmp_path):
+    args = forks_args(tmp_path, 20, 1e-3, lr_scheduler_type="reduce_lr_on_plateau", eval_strategy="steps",
+                      eval_steps=10)
+    t = ForksTrainer(model=Tiny(), args=args, train_dataset=train_set(), eval_dataset=train_set()[:64],
+                     probe=probe())
+    before = [p.detach().clone() for p in t.model.parameters()]
+    with pytest.raises(hpx.ConfigError, match="choose another lr_scheduler_type"):
+        t.train()
+    assert t.state.global_step == 0 and all(torch.equal(p, q) for p, q in zip(before, t.model.parameters()))
+
+
 def test_a_probe_without_labels_is_named(tmp_path):
     batch = {k: v for k, v in probe()[0].items() if k != "labels"}
     t = ForksTrainer(model=Tiny(), args=forks_args(tmp_path, 10, 1e-3), train_dataset=train_set(),
