@@ -382,6 +382,8 @@ class Forks:
         live = [c for c in scored if c is not _LOST]
         found = iter(self._scores(live) if live else [])
         scores = [math.inf if c is _LOST else next(found) for c in scored]
+        if self._agreed(not any(map(math.isfinite, scores))):  # no stand-in is finite: are the forks?
+            self._raise_if_all_lost(self._scores(self._forks))  # then nothing is left to train: say so now
         order = _ranked(scores, [f.distance(self._bases) for f in self._forks])[:keep]
         if 0 not in order:
             order = [*order[: keep - 1], 0]
@@ -396,10 +398,7 @@ class Forks:
         """The end of the run: your run, or the best challenger if it wins with confidence (or your
         run was lost and it was not); the winner is loaded into your objects."""
         scores = self._scores(self._forks)
-        if not any(math.isfinite(s) for s in scores):
-            raise NonFiniteError(f"at step {self.step_count} every fork's weights or probe loss are "
-                                 f"non-finite ({[f.setting() for f in self._forks]}): lower the "
-                                 "learning rate, or check the data and the probe for NaN/inf")
+        self._raise_if_all_lost(scores)
         best = _ranked(scores, [f.distance(self._bases) for f in self._forks])[0]
         gain = math.nan
         if best != 0 and math.isfinite(scores[0]):
@@ -412,6 +411,12 @@ class Forks:
         best = self._agreed(best)
         self._record("end", scores, [best], gain)
         self._adopt(best)
+
+    def _raise_if_all_lost(self, scores: list[float]) -> None:
+        if self._agreed(not any(math.isfinite(s) for s in scores)):
+            raise NonFiniteError(f"at step {self.step_count} every fork's weights or probe loss are "
+                                 f"non-finite ({[f.setting() for f in self._forks]}): lower the "
+                                 "learning rate, or check the data and the probe for NaN/inf")
 
     def _adopt(self, i: int) -> None:
         start = self._forks[0]

@@ -284,6 +284,13 @@ def test_every_fork_non_finite_is_an_error_naming_the_forks():
     with pytest.raises(hpx.NonFiniteError, match=r"\[\{'lr': 1.0\}, \{'lr': 0.1\}\]"):
         for b in BATCHES[:10]:
             forks.step(_loss, b)
+    # with cuts, the first cut at which no fork is finite raises, not the run's end
+    model = nn.Linear(8, 1)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=1e6), total_steps=40, probe=PROBE)
+    with pytest.raises(hpx.NonFiniteError, match="at step 6 every fork"):
+        for b in BATCHES[:40]:
+            forks.step(_loss, b)
+    assert forks.step_count == 6 and not forks.decided
 
 
 def test_cuts_keep_the_best_scoring_forks_and_your_run():
