@@ -469,7 +469,12 @@ def _build_replicas(model: torch.nn.Module, optimizer: Union[OptimizerFactory, t
             [f"{local} replicas in one process need one optimizer each: pass a factory, e.g. "
              "optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)"]
         )
-    models = [model] + [copy.deepcopy(model) for _ in range(local - 1)]
+    try:
+        models = [model] + [copy.deepcopy(model) for _ in range(local - 1)]
+    except (TypeError, copy.Error, RuntimeError) as e:
+        raise ConfigError([f"{local} replicas in one process train deep copies of your model, and "
+                           f"copy.deepcopy failed ({type(e).__name__}: {e}): keep what cannot be copied "
+                           "(a lock, an open file) off the model, or give it a __deepcopy__"]) from e
     reps = []
     for i, m in enumerate(models):
         opt = optimizer if is_opt else optimizer(m)

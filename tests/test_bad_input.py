@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,13 @@ import hpx
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 3))
+
+
+def _locked() -> nn.Module:
+    """A model holding what cannot be deep-copied (a lock)."""
+    m = _model()
+    m.lock = threading.Lock()
+    return m
 
 
 def _sgd(m: nn.Module) -> torch.optim.Optimizer:
@@ -78,6 +86,11 @@ CONSTRUCTION = [
          ("either config=", "not both")),
     Case("model not a module", lambda: hpx.Engine(lambda x: x, _sgd, []), hpx.ConfigError,
          ("model must be a torch.nn.Module", "function")),
+    Case("optimizer needs a closure", lambda: _engine(optimizer=lambda m: torch.optim.LBFGS(m.parameters())),
+         hpx.ConfigError, ("LBFGS needs a closure", "use a first-order optimizer")),
+    Case("model cannot be copied",
+         lambda: hpx.Engine(_locked(), _sgd, [hpx.LearningRate(spread=0.3)], replicas=2), hpx.ConfigError,
+         ("copy.deepcopy failed (TypeError: cannot pickle", "off the model")),
     Case("optimizer not a factory", lambda: _engine(optimizer=0.1), hpx.ConfigError,
          ("optimizer must be a factory", "0.1")),
     Case("one optimizer, many replicas", lambda: hpx.Engine(_model(), _sgd(_model()), [], replicas=2),
