@@ -192,7 +192,8 @@ def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collectiv
     torch.distributed the floating buffers of the forks in ``averaged`` are averaged over the ranks
     first."""
     dev = _device(forks[0].model)
-    keep, was = _rng_get(dev), [f.model.training for f in forks]
+    keep = _rng_get(dev)
+    was = [[(m, m.training) for m in f.model.modules()] for f in forks]  # each module's own mode
     for f in forks:
         if collective.world_size > 1 and any(f is a for a in averaged):
             _average_buffers(f.model, collective)
@@ -209,8 +210,9 @@ def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collectiv
                                          for r in _split(b, rows)])
                     mine.append(v.detach().to("cpu", torch.float64))
     finally:
-        for f, w in zip(forks, was):
-            f.model.train(w)
+        for modes in was:
+            for m, w in modes:
+                m.training = w
         _rng_set(keep, dev)
     return out
 

@@ -787,3 +787,27 @@ def test_a_batchnorm_winner_brings_its_running_statistics_and_adams_step():
     got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
     assert all(torch.equal(got[k]["step"], want[k]["step"])
                and torch.equal(got[k]["exp_avg_sq"], want[k]["exp_avg_sq"]) for k in want)
+
+
+def test_a_submodule_you_put_in_eval_mode_stays_there_and_is_trained_as_plain_training_trains_it():
+    """Fine-tuning with frozen BatchNorm statistics: the model trains, one BatchNorm is put in eval
+    mode. Scoring the probe (eval mode for all) must give every module its own mode back, so the
+    frozen statistics never move and your kept run is plain training bit for bit."""
+    def net():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 1))
+        m.train()
+        m[1].eval()
+        return m
+
+    model = net()
+    frozen = model[1].running_mean.clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, confidence=1e9)
+    for b in BATCHES[:20]:
+        forks.step(_loss, b)
+    assert model.training and not model[1].training
+    assert torch.equal(model[1].running_mean, frozen)
+    ref = net()
+    _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9), None, BATCHES[:20])
+    assert _same(model, ref)
