@@ -72,7 +72,8 @@ class _Fork:
         the copied model's parameters and the scheduler the copied optimizer), at ``factor`` and
         ``values`` (default: this fork's; write them with :meth:`apply`)."""
         try:
-            model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler))
+            model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler),
+                                              graph_tensors_detached(self.model))
         except (TypeError, copy.Error, RuntimeError) as e:
             raise ConfigError([f"Forks trains each fork on a deep copy of your model, optimizer and "
                                f"scheduler, and copy.deepcopy failed ({type(e).__name__}: {e}): keep what "
@@ -96,6 +97,30 @@ class _Fork:
         self.values = {k: float(v) for k, v in state["values"].items()}
         self.ramp = None if state["ramp"] is None else (int(state["ramp"][0]), int(state["ramp"][1]))
         self.apply(knobs)
+
+
+def graph_tensors_detached(model: torch.nn.Module) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo in which every tensor of the autograd graph that a module keeps as
+    an attribute (``self.last_logits = out`` in a forward; directly or in a list, tuple or dict)
+    copies as a detached clone: deepcopy refuses a tensor that is not a graph leaf, and the next
+    forward overwrites it anyway."""
+    memo: dict[int, Any] = {}
+
+    def visit(v: Any) -> None:
+        if torch.is_tensor(v):
+            if v.grad_fn is not None and id(v) not in memo:
+                memo[id(v)] = v.detach().clone()
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                visit(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                visit(x)
+
+    for m in model.modules():
+        for v in vars(m).values():
+            visit(v)
+    return memo
 
 
 def knob_values(knob: Knob) -> list[float]:

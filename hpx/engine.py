@@ -34,6 +34,7 @@ from typing import Any, Union
 import torch
 
 from hpx import _checks
+from hpx._forks import graph_tensors_detached
 from hpx._health import _Health
 from hpx._run_state import _RunState
 from hpx._seed import derive_seed
@@ -470,7 +471,7 @@ def _build_replicas(model: torch.nn.Module, optimizer: Union[OptimizerFactory, t
              "optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1)"]
         )
     try:
-        models = [model] + [copy.deepcopy(model) for _ in range(local - 1)]
+        models = [model] + [copy.deepcopy(model, graph_tensors_detached(model)) for _ in range(local - 1)]
     except (TypeError, copy.Error, RuntimeError) as e:
         raise ConfigError([f"{local} replicas in one process train deep copies of your model, and "
                            f"copy.deepcopy failed ({type(e).__name__}: {e}): keep what cannot be copied "

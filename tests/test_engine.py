@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -583,3 +584,19 @@ def test_record_and_advance_without_losses_names_the_fix():
     engine.advance()
     with pytest.raises(hpx.ConfigError, match="record"):
         engine.advance()
+
+
+def test_replicas_of_a_model_that_keeps_a_tensor_of_the_graph_are_copies_with_their_own_weights():
+    """torch.nn.utils.weight_norm (and a forward that keeps its output: ``self.last = out``) leaves a
+    tensor of the autograd graph on the model, which copy.deepcopy refuses. A replica in the same
+    process copies it detached; its forward then computes from its own parameters."""
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's: weight_norm moved to parametrizations
+        model = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 4)), nn.Linear(4, 1))
+    engine = hpx.Engine(model, lambda m: torch.optim.SGD(m.parameters(), lr=0.1), replicas=2)
+    copy_ = engine.replicas[1].model
+    x = torch.randn(8, 4)
+    assert torch.equal(copy_(x), model(x))
+    copy_(x).sum().backward()
+    assert copy_[0].weight_v.grad is not None and model[0].weight_v.grad is None

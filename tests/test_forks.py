@@ -811,3 +811,30 @@ def test_a_submodule_you_put_in_eval_mode_stays_there_and_is_trained_as_plain_tr
     ref = net()
     _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9), None, BATCHES[:20])
     assert _same(model, ref)
+
+
+def test_a_model_that_keeps_a_tensor_of_the_graph_is_forked_and_cut_as_any_other():
+    """A forward that keeps its output on the model (``self.last = out``, as attention maps are
+    kept) leaves a tensor of the autograd graph there, which copy.deepcopy refuses; the cuts copy
+    every fork mid-run, so the copy takes it detached, and the kept run is plain training."""
+    class Keeps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = _net(p=0.0)
+            self.last: list[torch.Tensor] = []
+
+        def forward(self, x):
+            out = self.body(x)
+            self.last = [out]
+            return out
+
+    model = Keeps()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    forks = hpx.Forks(model, opt, total_steps=STEPS, probe=PROBE, confidence=1e9)
+    for b in BATCHES[:STEPS]:
+        forks.step(_loss, b)
+    assert [r.phase for r in forks.history] == ["cut", "cut", "end"]
+    ref = Keeps()
+    _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9), None, BATCHES[:STEPS])
+    assert _same(model, ref)
