@@ -210,8 +210,11 @@ class Forks:
         self._bases = bases
         self._clones: list[_Fork] = []  # a cut's annealed copies, one per fork, while they train
         self._parents: list[int] = []  # ... and the fork each was copied from
-        self._plan = {max(1, round(share * self.total_steps)): keep for share, keep in self.cuts}
-        self._plan = {s: k for s, k in self._plan.items() if s < self.total_steps}
+        self._plan: dict[int, int] = {}  # step -> forks kept; cuts that round to one step follow each other
+        for share, keep in self.cuts:
+            at = max(1, round(share * self.total_steps), max(self._plan, default=0) + 1)
+            if at < self.total_steps:
+                self._plan[at] = keep
         self._decide_at: tuple[int, int] | None = None  # (step, keep) of the cut in progress
         self._initial: float | None = None  # the probe loss of the initial weights
         self._probe_units = 0  # the examples the end's test compared (known once it ran)
@@ -354,7 +357,14 @@ class Forks:
             self._warned = True
             log.warning("step %d is past total_steps=%d: the forks were decided at the run's end; "
                         "training goes on at the winner's multiple %.4g", s, self.total_steps, self.factor)
-        keep = self._plan.get(s)
+        if self._decide_at is not None and self._decide_at[0] <= s:  # a cut decided on its copies
+            scored = [_LOST] * len(self._forks)
+            for i, c in zip(self._parents, self._clones):
+                scored[i] = c
+            keep = self._decide_at[1]
+            self._clones, self._parents, self._decide_at = [], [], None
+            self._cut(keep, scored)
+        keep = self._plan.get(s)  # after the decision due now: on a short run the next cut starts here
         if keep is not None and keep < len(self._forks):
             k = min(max(1, round(self.cool * self.total_steps)), self.total_steps - s) if self.cool > 0 else 0
             if k > 0:  # anneal a copy of every fork over the next k steps, then decide on them
@@ -364,13 +374,6 @@ class Forks:
                 self._decide_at = (s + k, keep)
             else:
                 self._cut(keep, self._forks)
-        if self._decide_at is not None and self._decide_at[0] == s:
-            scored = [_LOST] * len(self._forks)
-            for i, c in zip(self._parents, self._clones):
-                scored[i] = c
-            keep = self._decide_at[1]
-            self._clones, self._parents, self._decide_at = [], [], None
-            self._cut(keep, scored)
         if s == self.total_steps and not self.decided:
             self._finish()
 
@@ -391,8 +394,9 @@ class Forks:
         order, lost = self._agreed((sorted(order), not math.isfinite(scores[0])))
         if lost:
             self._forks[0].lost = True  # kept for the final comparison, no longer trained
-        self._record("cut", scores, order)
+        rec = self._record("cut", scores, order)
         self._forks = [self._forks[i] for i in order]
+        self._notify(rec)  # once the cut is made: a callback that raises leaves it made
 
     def _finish(self) -> None:
         """The end of the run: your run, or the best challenger if it wins with confidence (or your
@@ -409,8 +413,9 @@ class Forks:
                 if gain < self.confidence:
                     best = 0
         best = self._agreed(best)
-        self._record("end", scores, [best], gain)
+        rec = self._record("end", scores, [best], gain)
         self._adopt(best)
+        self._notify(rec)
 
     def _raise_if_all_lost(self, scores: list[float]) -> None:
         if self._agreed(not any(math.isfinite(s) for s in scores)):
@@ -437,7 +442,8 @@ class Forks:
             return decision
         return self.collective.broadcast_object(decision, 0)
 
-    def _record(self, phase: str, scores: list[float], kept: list[int], gain: float = math.nan) -> None:
+    def _record(self, phase: str, scores: list[float], kept: list[int],
+                gain: float = math.nan) -> SyncRecord:
         factors = [f.factor for f in self._forks]
         lrs = [[g["lr"] * f.factor for g in f.optimizer.param_groups] for f in self._forks]
         bases = self._forks[kept[0]].setting() if phase == "end" else {"lr": 1.0, **self._bases}
@@ -455,8 +461,12 @@ class Forks:
             why += (f"; a probe about {(self.confidence / gain) ** 2:.3g}x as large would tell a difference "
                     "this size")
         names = [_fork_label(f.setting(), self._bases) for f in self._forks]
-        log.info("forks at step %d (%s): %s scored %s; kept %s%s", self.step_count, phase, names,
-                 [round(s, 4) for s in scores], kept_m, why)
+        if self.collective.rank == 0:  # one line per decision, not one per rank
+            log.info("forks at step %d (%s): %s scored %s; kept %s%s", self.step_count, phase, names,
+                     [round(s, 4) for s in scores], kept_m, why)
+        return rec
+
+    def _notify(self, rec: SyncRecord) -> None:
         for callback in self._on_sync:
             callback(rec)
 

@@ -838,3 +838,35 @@ def test_a_model_that_keeps_a_tensor_of_the_graph_is_forked_and_cut_as_any_other
     ref = Keeps()
     _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9), None, BATCHES[:STEPS])
     assert _same(model, ref)
+
+
+@pytest.mark.parametrize("steps", [4, 6, 10])
+def test_a_short_run_makes_both_cuts_one_after_the_other(steps):
+    """On a run of a few steps the cuts' steps and their annealed copies' decisions coincide: the
+    first cut is decided before the second starts (the second's copies replaced the first's
+    before), so 5 forks are cut to 3 and then to 2."""
+    forks = hpx.Forks(_net(), lambda m: torch.optim.SGD(m.parameters(), lr=0.01), total_steps=steps,
+                      probe=PROBE)
+    for b in BATCHES[:steps]:
+        forks.step(_loss, b)
+    assert [(r.phase, len(r.scores)) for r in forks.history] == [("cut", 5), ("cut", 3), ("end", 2)]
+
+
+def test_a_callback_that_raises_finds_the_cut_and_the_end_made():
+    """on_sync callbacks run once a decision is applied: one that raises leaves the run as the
+    decision left it (it left a cut recorded but not made, every fork still training)."""
+    def boom(rec):
+        raise RuntimeError(f"callback at {rec.phase}")
+
+    model = _net()
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=STEPS, probe=PROBE,
+                      on_sync=boom)
+    phases = []
+    for b in BATCHES[:STEPS]:
+        try:
+            forks.step(_loss, b)
+        except RuntimeError as e:
+            phases.append((str(e), len(forks.factors)))
+    assert phases == [("callback at cut", 3), ("callback at cut", 2), ("callback at end", 1)]
+    assert forks.decided and len(forks.history) == 3
+    assert forks.converge() is model and len(forks.history) == 3
