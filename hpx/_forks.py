@@ -30,13 +30,14 @@ class _Fork:
     values of the other knobs it trains with and, for an annealed copy, its ramp ``(first step,
     length)``."""
 
-    __slots__ = ("factor", "lost", "ramp", "replica", "scheduler", "values")
+    __slots__ = ("factor", "lost", "ramp", "replica", "scaled", "scheduler", "values")
 
     def __init__(self, factor: float, replica: Replica, scheduler: LRScheduler | None,
                  ramp: tuple[int, int] | None = None, values: dict[str, float] | None = None) -> None:
         self.factor, self.replica, self.scheduler, self.ramp = factor, replica, scheduler, ramp
         self.values: dict[str, float] = dict(values or {})
         self.lost = False  # non-finite at a cut: no longer trained (only your run is kept so)
+        self.scaled = False  # the multiple is written into its optimizer and scheduler (your run, won)
         replica._values["lr"] = factor
         replica._values.update(self.values)
 
@@ -47,6 +48,41 @@ class _Fork:
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.replica.optimizer
+
+    @property
+    def multiple(self) -> float:
+        """What an optimizer step multiplies its learning rates by: the fork's multiple, unless
+        that is written into its optimizer and scheduler already."""
+        return 1.0 if self.scaled else self.factor
+
+    def scale_lrs(self) -> None:
+        """Write the multiple into the optimizer's and the scheduler's learning rates (every group's
+        ``lr``, ``initial_lr`` and OneCycleLR's ``max_lr`` and ``min_lr``; each scheduler's
+        ``base_lrs``, ``_last_lr``, CyclicLR's ``max_lrs`` and a cosine's ``eta_min``, those a
+        SequentialLR or ChainedScheduler holds included): the state plain training at the multiple
+        holds, so training goes on at it without hpx (the winner, loaded into your objects)."""
+        m = self.factor
+        if self.scaled or m == 1.0:
+            self.scaled = True
+            return
+        for g in self.optimizer.param_groups:
+            for key in ("lr", "initial_lr", "max_lr", "min_lr"):
+                v = g.get(key)
+                if torch.is_tensor(v):
+                    v.mul_(m)
+                elif isinstance(v, Real) and not isinstance(v, bool):
+                    g[key] = v * m
+        todo = [] if self.scheduler is None else [self.scheduler]
+        while todo:
+            s = todo.pop()
+            todo += list(getattr(s, "_schedulers", ()))
+            for attr in ("base_lrs", "_last_lr", "max_lrs"):
+                v = getattr(s, attr, None)
+                if isinstance(v, list):
+                    setattr(s, attr, [x * m for x in v])
+            if isinstance(getattr(s, "eta_min", None), Real):
+                s.eta_min = s.eta_min * m
+        self.scaled = True
 
     def setting(self) -> dict[str, float]:
         """``{"lr": the lr multiple, knob: value, ...}``."""
@@ -83,7 +119,8 @@ class _Fork:
                      self.values if values is None else values)
 
     def state(self, parent: int | None = None) -> dict[str, Any]:
-        return {"factor": self.factor, "values": dict(self.values), "lost": self.lost, "ramp": self.ramp,
+        return {"factor": self.factor, "scaled": self.scaled, "values": dict(self.values), "lost": self.lost,
+                "ramp": self.ramp,
                 "parent": parent, "model": self.model.state_dict(),
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
@@ -94,6 +131,7 @@ class _Fork:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.factor, self.lost = float(state["factor"]), bool(state["lost"])
+        self.scaled = bool(state.get("scaled", False))  # states saved before it was kept: not scaled
         self.values = {k: float(v) for k, v in state["values"].items()}
         self.ramp = None if state["ramp"] is None else (int(state["ramp"][0]), int(state["ramp"][1]))
         self.apply(knobs)

@@ -323,7 +323,7 @@ class Forks:
                 grads[i].copy_(part.view_as(grads[i]))
 
     def _step_one(self, f: _Fork, scaler: Any) -> None:
-        m = f.factor
+        m = f.multiple
         if f.ramp is not None:  # an annealed copy: the multiple falls linearly to 0 over its ramp
             first, k = f.ramp
             m *= (k - (self.step_count - first)) / (k + 1)
@@ -433,6 +433,7 @@ class Forks:
                 start.scheduler.load_state_dict(winner.scheduler.state_dict())
             start.factor, start.values, start.lost = winner.factor, dict(winner.values), False
             start.apply(self.knobs)  # a dropout rate is no part of the model's state
+            start.scale_lrs()  # its optimizer and scheduler go on at the winner's lr without hpx
         self._forks = [start]
         self.factor, self.values, self.decided = start.factor, dict(start.values), True
 

@@ -134,7 +134,7 @@ def test_a_winner_is_plain_training_at_its_multiple_loaded_into_your_objects():
     assert forks.model is model and _same(model, runs[best][0])
     got, want = opt.state_dict()["state"], runs[best][1].state_dict()["state"]
     assert all(torch.equal(got[k]["momentum_buffer"], want[k]["momentum_buffer"]) for k in want)
-    assert opt.param_groups[0]["lr"] == 0.03  # the schedule's own lr; the multiple is forks.factor
+    assert opt.param_groups[0]["lr"] == runs[best][1].param_groups[0]["lr"]  # the winner's lr, written in
     assert forks.factors == [best]
 
 
@@ -870,3 +870,36 @@ def test_a_callback_that_raises_finds_the_cut_and_the_end_made():
     assert phases == [("callback at cut", 3), ("callback at cut", 2), ("callback at end", 1)]
     assert forks.decided and len(forks.history) == 3
     assert forks.converge() is model and len(forks.history) == 3
+
+
+def _sequential(opt):
+    return torch.optim.lr_scheduler.SequentialLR(
+        opt, [torch.optim.lr_scheduler.LinearLR(opt, 0.25, total_iters=5),
+              torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / 40)], milestones=[5])
+
+
+@pytest.mark.parametrize("lr, make", [  # the scheduler of plain training at lr multiple m
+    (0.01, lambda opt, m: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.01 * m, total_steps=40)),
+    (0.01, lambda opt, m: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=40, eta_min=1e-3 * m)),
+    (0.01, lambda opt, m: _sequential(opt)),
+    (0.001, lambda opt, m: None),
+], ids=["onecycle", "cosine-eta-min", "sequential", "constant"])
+def test_a_winner_goes_on_without_hpx_as_plain_training_at_its_multiple(lr, make):
+    """After the end your optimizer and scheduler hold the winner's learning rates, not your run's:
+    training on with them alone (a longer schedule, a framework resuming the saved state) is plain
+    training at the winner's multiple, step for step (they held 1x and trained on at it before)."""
+    model = _net(p=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = make(opt, 1)
+    forks = hpx.Forks(model, opt, total_steps=20, schedule=sched, probe=PROBE, multiples=(1.0, 16.0),
+                      cuts=(), confidence=0)
+    for b in BATCHES[:20]:
+        forks.step(_loss, b)
+    assert forks.factor == 16.0
+    _plain(model, opt, sched, BATCHES[20:40])  # on alone
+
+    ref = _net(p=0.0)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=16 * lr)
+    _plain(ref, ref_opt, make(ref_opt, 16), BATCHES[:40])
+    assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
+    assert _same(model, ref)
