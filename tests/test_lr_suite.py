@@ -674,3 +674,18 @@ def test_the_bar_table_reads_each_row_against_its_threshold(tmp_path, monkeypatc
         f"median 2.05x plain's wall time, 1.10-3.00 over 2 tasks ({n_design - 2} not measured: "
         "`python -m benchmarks.lr.cost`) (not met)")
     assert bar._cost_row("Forks", held=True) == "no runs: `python -m benchmarks.lr.cost`"
+
+
+@pytest.mark.parametrize("name", ["digits_mlp", "char_mlp", "char_gru"])
+def test_a_runs_losses_per_unit_are_the_probe_loss_taken_apart(name):
+    """``execute(..., units=True)`` (what ``benchmarks.lr.trainsplit`` replays the end's test on):
+    one loss per probe unit (an example; a language model's sequence) whose mean is the run's probe
+    loss, a fixed training sample of at most 2,000 units, and plain training's loss at every step."""
+    run = Run(name, "plain", get_task(name).center, 0, steps=12)
+    out = execute(run, units=True)
+    probe = get_task(name).probe()
+    units = out["units"]
+    assert len(units["probe"]) == sum(len(y) for _, y in probe)
+    assert math.isclose(sum(units["probe"]) / len(units["probe"]), out["probe"], rel_tol=1e-5)
+    assert 0 < len(units["train"]) <= 2000 and len(out["step_losses"]) == 12
+    assert execute(run, units=True)["units"] == units  # the training sample is fixed

@@ -190,7 +190,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             protect: bool = False, cool: float = 0.0, confidence: float = 0.0,
             lost_start: bool = False, average: bool = True,
             sided: bool = False, sign: float = 0.0, reserve: float = 0.0,
-            drop: float = 0.0) -> tuple[torch.nn.Module, float]:
+            drop: float = 0.0, train: tuple[float, float] = ()) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -219,7 +219,11 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     slower fork that a finished run would prefer is the one an early cut drops. With ``drop`` ``z > 0``
     (and ``cool``, ``protect``) a cut that keeps 2 keeps the start alone when its annealed copy beats
     the challenger's by ``z`` standard errors, example by example: the rest of the run is plain
-    training, and the end's test, which could only keep the start, is not paid for."""
+    training, and the end's test, which could only keep the start, is not paid for. With ``train``
+    ``(zp, zt)`` the end's test also passes a challenger that leads by ``zp`` standard errors on the
+    probe and by ``zt`` on a fixed sample of the training split (:meth:`Task.train_sample`, eval
+    mode): underfitting, the usual state of a run whose lr is too low, shows on the training split,
+    which holds many more examples than a small probe."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total) if average else 1.0
@@ -262,9 +266,12 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                 order = [*order[:keep - 1], own[0]]
             if protect and keep == 1 and confidence > 0 and own and order[0] != own[0] and alive[own[0]]:
                 lost = scores[own[0]] >= initial > scores[order[0]]  # False without lost_start (nan)
-                if not lost and not _passes(_unit_losses(task, forks[order[0]][0], emas[order[0]]),
-                                            _unit_losses(task, forks[own[0]][0], emas[own[0]]),
-                                            confidence, sign):
+                ch, st = (forks[order[0]][0], emas[order[0]]), (forks[own[0]][0], emas[own[0]])
+                probe_ch, probe_st = _unit_losses(task, *ch), _unit_losses(task, *st)
+                confirmed = bool(train) and _gain(probe_ch, probe_st) >= train[0] and _gain(
+                    _unit_losses(task, *ch, task.train_sample()),
+                    _unit_losses(task, *st, task.train_sample())) >= train[1]
+                if not lost and not confirmed and not _passes(probe_ch, probe_st, confidence, sign):
                     order = [own[0]]
             early = drop > 0 and cool > 0 and protect and keep == 2 and len(order) == 2
             if early and own and own[0] in order:
@@ -322,15 +329,16 @@ def _final_units(task: Task, state: State) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _unit_losses(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> torch.Tensor:
+def _unit_losses(task: Task, model: torch.nn.Module, weights: list[torch.Tensor],
+                 batches: Sequence[Any] | None = None) -> torch.Tensor:
     """The probe's loss per unit (an example; a sequence's mean for a language model) at ``weights``,
-    in eval mode."""
+    in eval mode (on ``batches`` instead when given)."""
     was = model.training
     model.eval()
     units = []
     try:
         with _holding(model, weights):
-            for x, y in task.probe():
+            for x, y in task.probe() if batches is None else batches:
                 out = model(x)
                 if task.kind == "reg":
                     units.append((out.squeeze(-1) - y) ** 2)
@@ -406,6 +414,9 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "halving-end-cool-z2-lost-last-reserve": lambda *a: halving(
         *a, cuts=_TO_THE_END, protect=True, cool=0.05, confidence=2.0, lost_start=True, average=False,
         reserve=10.0),
+    "halving-end-cool-z2-lost-last-train": lambda *a: halving(
+        *a, cuts=_TO_THE_END, protect=True, cool=0.05, confidence=2.0, lost_start=True, average=False,
+        train=(1.0, 3.0)),
     # no early reading at all: the start and a fork a decade each side run to the end (3.0x the
     # steps, as the cooled halving), the confident end picks among the finished runs
     "trio-z2-lost": lambda *a: halving(*a, mults=(0.1, 1.0, 10.0), cuts=((1.0, 1),), protect=True,

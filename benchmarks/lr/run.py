@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 import hpx
 from benchmarks.lr.prototypes import LOOPS, probe_loss, steps_taken
@@ -112,11 +113,14 @@ def _with_steps(task: Task, steps: int | None) -> Task:
 
 
 def plain_train(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
-                batches: list[Any]) -> torch.nn.Module:
-    """The user's loop: backward, optimizer step, scheduler step, one batch at a time."""
+                batches: list[Any], losses: list[torch.Tensor] | None = None) -> torch.nn.Module:
+    """The user's loop: backward, optimizer step, scheduler step, one batch at a time (each step's
+    training loss appended to ``losses`` when given)."""
     model.train()
     for b in batches:
         loss = task.loss(model, b)
+        if losses is not None:
+            losses.append(loss.detach())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -160,13 +164,18 @@ def _val_halves(task: Task, model: torch.nn.Module) -> list[float]:
     return [task.evaluate(model, [(x[:h], y[:h])]), task.evaluate(model, [(x[h:], y[h:])])]
 
 
-def execute(run: Run, probe_chunks: tuple[int, ...] = (), val_halves: bool = False) -> dict[str, Any]:
+def execute(run: Run, probe_chunks: tuple[int, ...] = (), val_halves: bool = False,
+            units: bool = False) -> dict[str, Any]:
     """Train once; ``{"val", "probe", "lost", "seconds", "end_lr", "history"}`` (val is NaN when
     the run diverged; probe, the final weights' loss on the probe split, is None then), and for a
     prototype loop ``"steps"``: its optimizer steps (forks and annealed copies) over the task's. For each
     ``k`` in ``probe_chunks``, ``out["chunks"][str(k)]`` holds the final weights' loss on each
     disjoint chunk of the probe of about ``k`` examples (tokens for a language model). With
-    ``val_halves``, ``out["val_halves"]`` holds the validation loss on each half of its rows.
+    ``val_halves``, ``out["val_halves"]`` holds the validation loss on each half of its rows. With
+    ``units``, ``out["units"]`` holds the final weights' losses per unit (an example; a sequence's
+    mean for a language model), in eval mode, on the probe (``"probe"``) and on a fixed sample of at
+    most 2,000 units of the training split (``"train"``), and a plain run's training loss at each step
+    in ``out["step_losses"]``.
 
     The global RNG, which dropout draws from, is seeded from the run's seed (and put back after),
     so a run's result does not depend on the runs its process did before, and a method and plain
@@ -174,10 +183,10 @@ def execute(run: Run, probe_chunks: tuple[int, ...] = (), val_halves: bool = Fal
     torch.set_num_threads(1)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(20_000 + run.seed)
-        return _execute(run, probe_chunks, val_halves)
+        return _execute(run, probe_chunks, val_halves, units)
 
 
-def _execute(run: Run, probe_chunks: tuple[int, ...], val_halves: bool) -> dict[str, Any]:
+def _execute(run: Run, probe_chunks: tuple[int, ...], val_halves: bool, units: bool) -> dict[str, Any]:
     task = _with_steps(get_task(run.task), run.steps)
     model = task.model(run.seed)
     opt = task.optimizer(model, run.lr)
@@ -187,7 +196,10 @@ def _execute(run: Run, probe_chunks: tuple[int, ...], val_halves: bool) -> dict[
     out: dict[str, Any] = {"end_lr": run.lr, "history": []}
     t0 = time.perf_counter()
     if run.method == "plain":
-        final = plain_train(task, model, opt, sched, batches)
+        steps: list[torch.Tensor] | None = [] if units else None
+        final = plain_train(task, model, opt, sched, batches, steps)
+        if steps is not None:
+            out["step_losses"] = [float(v) for v in steps]
         seconds = time.perf_counter() - t0
     elif run.method in LOOPS:
         steps_taken(reset=True)
@@ -219,6 +231,29 @@ def _execute(run: Run, probe_chunks: tuple[int, ...], val_halves: bool) -> dict[
     if probe_chunks:
         out["chunks"] = {str(k): _chunk_losses(task, final, k) if out["probe"] is not None else None
                          for k in probe_chunks}
+    if units:
+        ok = out["probe"] is not None
+        out["units"] = ({"probe": _units(task, final, task.probe()),
+                         "train": _units(task, final, task.train_sample())} if ok else None)
     out.update(val=val, seconds=seconds,
                lost=not math.isfinite(val) or val >= 0.98 * task.constant_loss())
+    return out
+
+
+@torch.no_grad()
+def _units(task: Task, model: torch.nn.Module, batches: Any) -> list[float]:
+    """``model``'s loss per unit on ``batches`` (an example; a sequence's mean for a language
+    model), in eval mode."""
+    was = model.training
+    model.eval()
+    out: list[float] = []
+    for x, y in batches:
+        pred = model(x)
+        if task.kind == "reg":
+            per = (pred.squeeze(-1) - y) ** 2
+        else:
+            per = F.cross_entropy(pred.reshape(-1, pred.shape[-1]), y.reshape(-1), reduction="none")
+            per = per.reshape(y.shape[0], -1).mean(1)
+        out += [float(v) for v in per]
+    model.train(was)
     return out

@@ -116,6 +116,17 @@ class Task:
         idx = torch.randint(0, len(y), (self.batch,), generator=gen)
         return x[idx], y[idx]
 
+    def train_sample(self, n: int = 2000) -> list[Batch]:
+        """A fixed sample of at most ``n`` units of the training split, in batches of 500 (a language
+        model's: ``n / 8`` random windows of its context), from a generator of its own."""
+        d = self.data()
+        g = torch.Generator().manual_seed(4242)
+        if "stream" in d:
+            return [_windows(d["stream"], n // 8, d["ctx"], g)]
+        x, y = d["train"]
+        idx = torch.randperm(len(y), generator=g)[:n]
+        return [(x[idx[i:i + 500]], y[idx[i:i + 500]]) for i in range(0, len(idx), 500)]
+
     def probe(self) -> list[Batch]:
         """Held-out batches carved from the training side (what the search may score on)."""
         return self.data()["probe"]
