@@ -388,6 +388,13 @@ class _ForksEvents(TrainerCallback):
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.trainer._save_forks(state)
 
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Training that stops before ``max_steps`` (a callback's ``should_training_stop``, early
+        stopping) decides where it stops, as the run's end would."""
+        forks = self.trainer.forks
+        if forks is not None and not forks.decided:
+            forks.converge()
+
 
 def _model_loss(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     """The loss a Hugging Face model returns for a batch with labels."""

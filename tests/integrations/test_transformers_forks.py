@@ -179,3 +179,22 @@ def test_the_example_prints_the_forks_decisions_and_both_accuracies(tmp_path):
     forks_acc = float(ended.rsplit(" ", 1)[1])
     plain_acc = float(next(line for line in lines if line.startswith("plain Trainer")).rsplit(" ", 1)[1])
     assert forks_acc > plain_acc  # 10x below a good lr: a challenger won and did better on the test digits
+
+
+def test_training_stopped_early_decides_where_it_stops_with_the_winners_lr_in_your_optimizer(tmp_path):
+    """A callback that stops the Trainer at step 20 of 40 (as early stopping does): the forks decide
+    there (they were left undecided, your run kept without a word), and the Trainer's optimizer
+    holds the winner's learning rate (it held your run's)."""
+    from transformers import TrainerCallback
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 20
+
+    t = _forks(tmp_path / "f", 40, 1e-4, lr_scheduler_type="constant", warmup_steps=0)
+    t.add_callback(Stop())
+    t.train()
+    f = t.forks
+    assert t.state.global_step == 20 and f.decided and f.factor == 16.0
+    assert [r.phase for r in f.history][-1] == "end" and f.history[-1].step == 20
+    assert t.optimizer.param_groups[0]["lr"] == 16e-4
