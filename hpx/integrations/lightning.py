@@ -288,7 +288,13 @@ class ForksCallback(pl.Callback):
         and scheduler."""
         import hpx
 
-        ConfigError.check(_forks_problems(trainer, pl_module))
+        problems = _forks_problems(trainer, pl_module)
+        if trainer.global_step > 0 and self._pending is None and self.forks is None:
+            problems.append(f"resuming at step {trainer.global_step} from a checkpoint that holds no hpx "
+                            "state (saved without ForksCallback?): the forks would start mid-run on a "
+                            "schedule built for the whole of it; fit from the start, or resume from a "
+                            "checkpoint saved with ForksCallback")
+        ConfigError.check(problems)
         backend = None
         if trainer.world_size > 1:
             from hpx.backends import TorchDistributed

@@ -251,3 +251,18 @@ def test_other_knobs_fork_too_and_the_winners_value_lands_in_your_module(tmp_pat
     assert len(f.history[0].scores) == 3  # your run, and p = 0.1 and 0.9 at your lr
     assert f.decided and f.factor == 1.0 and f.history[-1].metrics["gain"] > 2
     assert f.values["dropout"] == pytest.approx(0.1) and module.net[2].p == pytest.approx(0.1)
+
+
+def test_resuming_a_checkpoint_saved_without_the_callback_is_refused_before_a_step(tmp_path):
+    """A plain fit's checkpoint at step 11 of 100, resumed with ForksCallback added: the forks would
+    count from 0 at step 11 on a plan built for 100 steps (cuts late, the end never reached by
+    count). Refused, naming the fix, before anything trains."""
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=11, save_top_k=-1)
+    _fit(tmp_path / "plain", Dropped(lr=0.001, steps=100, dropout=0.0), 11, [saver], batch=128,
+         enable_checkpointing=True)
+    ckpt = next((tmp_path / "ckpt").glob("*step=11.ckpt"))
+    resumed = Dropped(lr=0.001, steps=100, dropout=0.0)
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    with pytest.raises(ConfigError, match="saved without ForksCallback"):
+        _fit(tmp_path / "b", resumed, 100, [cb], batch=128, ckpt_path=str(ckpt))
+    assert cb.forks is None
