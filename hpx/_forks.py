@@ -161,6 +161,11 @@ def graph_tensors_detached(model: torch.nn.Module) -> dict[int, Any]:
     return memo
 
 
+def type_name(obj: Any) -> str | None:
+    """An optimizer's or scheduler's class, as a checkpoint records it (``None``: no scheduler)."""
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
 def knob_values(knob: Knob) -> list[float]:
     """The values a knob's forks take: its base (your value) moved by its spread to each side
     (``base / span`` and ``base * span`` for a geometric spread, ``base * (1 -+ spread)`` for a
@@ -426,9 +431,9 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
 
 
 def state_problems(state: Any, settings: dict[str, Any], knobs: list[str], model: torch.nn.Module,
-                   optimizer: torch.optim.Optimizer) -> list[str]:
-    """Why a ``Forks`` with these ``settings`` and ``knobs`` on ``model`` and ``optimizer`` cannot
-    take ``state`` (checked before anything changes)."""
+                   optimizer: torch.optim.Optimizer, scheduler: Any = None) -> list[str]:
+    """Why a ``Forks`` with these ``settings`` and ``knobs`` on ``model``, ``optimizer`` and
+    ``scheduler`` cannot take ``state`` (checked before anything changes)."""
     if not isinstance(state, dict) or state.get("format") != _FORMAT:
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
         return [f"not a Forks state (format {got!r}, expected {_FORMAT!r}): give what Forks.state_dict() "
@@ -438,6 +443,11 @@ def state_problems(state: Any, settings: dict[str, Any], knobs: list[str], model
     if odd:
         return [f"the saved run was built with other settings: {'; '.join(odd)}; build Forks with the saved "
                 "run's settings to resume it"]
+    for what, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
+        saved = state.get(f"{what}_type", type_name(obj))  # states saved before it was kept: not checked
+        if saved != type_name(obj):
+            return [f"the saved run's {what} is {saved or 'none'}, this one's {type_name(obj) or 'none'}: "
+                    f"build Forks with the saved run's {what} to resume it"]
     if list(state.get("knobs", [])) != knobs:
         return [f"the saved run forked the knobs {list(state.get('knobs', []))}, this one {knobs}: build "
                 "Forks with the saved run's knobs to resume it"]

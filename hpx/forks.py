@@ -65,6 +65,7 @@ from hpx._forks import (
     paired_gain,
     probe_losses,
     state_problems,
+    type_name,
 )
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
@@ -534,7 +535,9 @@ class Forks:
         flight, and the search's own state (it holds references to live tensors, as
         ``Module.state_dict``: save it with ``torch.save``). The global random stream is not in
         it: save it beside it to resume bit for bit."""
+        start = self._forks[0]
         return {"format": _FORMAT, **{k: getattr(self, k) for k in _SETTINGS},
+                "optimizer_type": type_name(start.optimizer), "scheduler_type": type_name(start.scheduler),
                 "step": self.step_count, "fork_steps": self.fork_steps, "factor": self.factor,
                 "values": dict(self.values),
                 "knobs": [k.name for k in self.knobs], "decided": self.decided,
@@ -572,7 +575,7 @@ class Forks:
         rank before any loads)."""
         start = self._forks[0]
         return state_problems(state, {k: getattr(self, k) for k in _SETTINGS}, [k.name for k in self.knobs],
-                              start.model, start.optimizer)
+                              start.model, start.optimizer, start.scheduler)
 
     def _check_aligned(self, when: str) -> None:
         """Nothing to check before ``hpx.load_checkpoint``: the forks' all-reduce pairs up each

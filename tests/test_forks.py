@@ -903,3 +903,30 @@ def test_a_winner_goes_on_without_hpx_as_plain_training_at_its_multiple(lr, make
     _plain(ref, ref_opt, make(ref_opt, 16), BATCHES[:40])
     assert opt.param_groups[0]["lr"] == ref_opt.param_groups[0]["lr"]
     assert _same(model, ref)
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda m: (torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9), None),
+     "optimizer is torch.optim.adamw.AdamW, this one's torch.optim.sgd.SGD"),
+    (lambda m: (torch.optim.Adam(m.parameters(), lr=0.01), None), "this one's torch.optim.adam.Adam"),
+    (lambda m: (torch.optim.AdamW(m.parameters(), lr=0.01), None),
+     "scheduler is torch.optim.lr_scheduler.LambdaLR, this one's none"),
+], ids=["sgd", "adam", "no-schedule"])
+def test_a_state_of_another_optimizer_or_schedule_is_refused_and_changes_nothing(make, words):
+    """Saved with AdamW and a schedule; loaded into a Forks on SGD (torch's SGD then failed at the next
+    step, after the load), on Adam (AdamW's groups went into Adam silently) or without a schedule
+    (the run went on at a constant lr)."""
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, schedule=lambda t: 1 - t / 20)
+    for b in BATCHES[:5]:
+        forks.step(_loss, b)
+    state = copy.deepcopy(forks.state_dict())
+    other_model = _net(seed=1)
+    other_opt, sched = make(other_model)
+    other = hpx.Forks(other_model, other_opt, total_steps=20, probe=PROBE, schedule=sched)
+    before = copy.deepcopy((other_model.state_dict(), other_opt.state_dict()))
+    with pytest.raises(hpx.ConfigError, match=words):
+        other.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(before[0].values(), other_model.state_dict().values()))
+    assert other_opt.state_dict() == before[1] and other.step_count == 0
