@@ -251,6 +251,36 @@ def _forward_backward(f: _Fork, loss_fn: LossFn, batch: Any, scale: float, scale
     return loss.detach().reshape(())
 
 
+def _unreached(trained: list[_Fork], start: _Fork) -> list[str]:
+    """Forks other than your run whose backward gave none of their parameters a gradient: a loss_fn
+    that computes the loss with your model object instead of the model it is given (``rep.model``)
+    trains your run once per fork and the copies never (checked at the first step)."""
+    bad = [f for f in trained if f is not start and any(p.requires_grad for p in f.model.parameters())
+           and all(p.grad is None for p in f.model.parameters())]
+    if not bad:
+        return []
+    for f in trained:  # nothing is stepped: the gradients your model took for the others go
+        f.optimizer.zero_grad(set_to_none=True)
+    start.optimizer.zero_grad(set_to_none=True)
+    return [f"the loss of the fork at {bad[0].factor:g}x reached none of its parameters: loss_fn must "
+            "compute the loss with the model it is given (lambda rep, batch: loss(rep.model(batch[0]), "
+            "batch[1])), not with your model object; every fork is a copy of it"]
+
+
+def _stepped_apart(forks: list[_Fork]) -> list[str]:
+    """Your scheduler stepped more often than the forks' copies of it: ``scheduler.step()`` called
+    in your loop as well as by hpx (your run then follows a faster schedule than the forks)."""
+    start = forks[0]
+    other = next((f for f in forks[1:] if not f.lost and f.scheduler is not None), None)
+    if other is None or start.lost or start.scheduler is None:
+        return []
+    mine, theirs = getattr(start.scheduler, "last_epoch", None), getattr(other.scheduler, "last_epoch", None)
+    if mine is None or mine == theirs:
+        return []
+    return [f"your scheduler is at step {mine}, the forks' copies of it at {theirs}: hpx.Forks steps every "
+            "fork's scheduler itself; remove scheduler.step() from your loop"]
+
+
 def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collective: Collective, units: bool,
                  averaged: list[_Fork]) -> list[list[torch.Tensor]]:
     """Each fork's probe loss per batch (a scalar) or per example, in eval mode, without touching

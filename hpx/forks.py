@@ -21,16 +21,13 @@ your objects: after the last step ``forks.model`` is your model holding the winn
 Other knobs (``knobs=[hpx.Dropout(spread=0.2), ...]``) add two forks each, at your learning rate,
 with the knob moved by its spread to each side of your value; they are cut and judged as any fork.
 
-Why this design, and what was measured against it, is in ``docs/method.md`` ("A confident end").
-It costs optimizer steps: 5 forks for the first 10% of the run, 3 to 25%, 2 to the end, and the
-annealed copies, about 3x plain training's steps with the default settings; it never averages
-weights, so the forks share nothing between steps but the batch.
+It costs optimizer steps (5 forks to 10% of the run, 3 to 25%, 2 to the end, and the annealed
+copies: about 3x plain training's); the forks share nothing between steps but the batch. Why this
+design: ``docs/method.md`` ("A confident end").
 
-Under torch.distributed every rank holds every fork and trains it on its own part of the batch;
-each fork's gradients are averaged over the ranks (one all-reduce per step, in flat buckets per
-dtype), so fork ``f`` is data-parallel training over the ranks. Floating buffers (BatchNorm's
-running statistics) are averaged over the ranks before a fork is scored, and rank 0's decision is
-broadcast, so every rank keeps the same forks.
+Under torch.distributed every rank trains every fork on its part of the batch, each fork's
+gradients averaged over the ranks (one all-reduce per dtype per step): data-parallel training.
+Floating buffers are averaged before a fork is scored; rank 0's decisions are broadcast.
 """
 
 from __future__ import annotations
@@ -58,6 +55,8 @@ from hpx._forks import (
     _forward_backward,
     _ranked,
     _settings_problems,
+    _stepped_apart,
+    _unreached,
     _unstepped,
     common_draws,
     knob_values,
@@ -252,7 +251,13 @@ class Forks:
             self._probe_fn = loss_fn
         trained = self._open()
         calls = [lambda f=f: _forward_backward(f, loss_fn, batch, scale, scaler) for f in trained]
-        found = common_draws(_device(self._forks[0].model), calls)
+        try:
+            found = common_draws(_device(self._forks[0].model), calls)
+            if self.step_count == 0:
+                ConfigError.check(_unreached(trained, self._forks[0]))
+        except BaseException:
+            self._fresh = True  # a failed backward (an OOM you skip) leaves no gradient behind
+            raise
         losses = {id(f): v for f, v in zip(trained, found)}
         if all(id(f) in losses for f in self._forks):
             return torch.stack([losses[id(f)] for f in self._forks])
@@ -287,6 +292,7 @@ class Forks:
             self._step_one(f, scaler)
         if scaler is not None:
             scaler.update()
+        ConfigError.check(_stepped_apart(self._forks))
         self.fork_steps += len(trained) + self._outside  # a framework's step of your run counts too
         self._advance()
         return norms
@@ -295,7 +301,10 @@ class Forks:
         """The forks a backward trains, their gradients cleared at an optimizer step's first
         micro-batch (and before the first step, the initial weights' probe loss)."""
         if self._initial is None and not self.decided:
-            self._initial = self._scores([self._forks[0]])[0]
+            self._initial = self._scores([self._forks[0]], nan=True)[0]
+            ConfigError.check([] if self._initial == self._initial else [
+                "the probe's loss at your model's initial weights is nan: check the probe batches and the "
+                "probe's loss_fn for NaN (nothing was trained)"])
         trained = self._trained()
         if self._fresh:
             for f in trained:
@@ -482,8 +491,9 @@ class Forks:
         averaged = [f for f in forks if not (self._outside and f is self._forks[0])]
         return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged)
 
-    def _scores(self, forks: list[_Fork]) -> list[float]:
-        """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches."""
+    def _scores(self, forks: list[_Fork], nan: bool = False) -> list[float]:
+        """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;
+        ``inf`` when it is not finite (``nan`` stays with ``nan=True``)."""
         out = []
         for parts in self._probe_losses(forks, units=False):
             if not parts:
@@ -494,7 +504,7 @@ class Forks:
             else:
                 flat = torch.stack([p.reshape(()) for p in parts])
             v = float(flat.mean())
-            out.append(v if math.isfinite(v) else math.inf)
+            out.append(v if math.isfinite(v) or (nan and math.isnan(v)) else math.inf)
         return out
 
     def _gain(self, a: _Fork, b: _Fork) -> float:
@@ -525,7 +535,9 @@ class Forks:
     def converge(self) -> torch.nn.Module:
         """Decide now if the run's end has not decided yet (a loop shorter than ``total_steps``),
         and return your model, holding the winner. Under torch.distributed every rank calls it."""
-        if not self.decided:
+        if not self.decided and self._probe_fn is None:  # no step yet, no loss_fn=: nothing to compare
+            self._adopt(0)
+        elif not self.decided:
             self._clones, self._parents, self._decide_at = [], [], None
             self._finish()
         return self.model

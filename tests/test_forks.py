@@ -930,3 +930,74 @@ def test_a_state_of_another_optimizer_or_schedule_is_refused_and_changes_nothing
         other.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(before[0].values(), other_model.state_dict().values()))
     assert other_opt.state_dict() == before[1] and other.step_count == 0
+
+
+def test_a_loss_fn_that_trains_your_model_instead_of_the_fork_it_is_given_is_refused_at_the_first_step():
+    """``lambda rep, b: loss(model(b[0]), ...)`` (your model object, not ``rep.model``) trained your
+    run at 5x its gradient and no fork at all, without a word. Refused at the first backward, your
+    model's gradients cleared and its weights untouched."""
+    model = _net(p=0.0)
+    before = copy.deepcopy(model.state_dict())
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=20, probe=PROBE)
+    with pytest.raises(hpx.ConfigError, match=r"rep\.model\(batch\[0\]\)"):
+        forks.step(lambda rep, b: F.mse_loss(model(b[0]).squeeze(-1), b[1]), BATCHES[0])
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before.values(), model.state_dict().values()))
+    forks.step(_loss, BATCHES[0])  # fixed, the run goes on from its first step
+    assert forks.step_count == 1
+
+
+def test_a_backward_that_fails_leaves_no_gradient_behind():
+    """A loss that raises for one fork (an out-of-memory error you catch to skip the batch): the forks
+    that took the batch's backward before it must not carry its gradient into the next step, so
+    your run is plain training that skipped the batch."""
+    calls = {"n": 0}
+
+    def flaky(rep, b):
+        calls["n"] += 1
+        if calls["n"] == 8:  # step 2, the third fork
+            raise RuntimeError("out of memory")
+        return _loss(rep, b)
+
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), total_steps=20,
+                      probe=PROBE, loss_fn=_loss, confidence=1e9)
+    for i, b in enumerate(BATCHES[:20]):
+        try:
+            forks.step(flaky, b)
+        except RuntimeError:
+            assert i == 1
+    ref = _net(p=0.0)
+    _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9), None, BATCHES[:1] + BATCHES[2:20])
+    assert forks.step_count == 19 and _same(model, ref)
+
+
+def test_stepping_your_scheduler_yourself_is_refused_naming_the_fix():
+    """hpx steps every fork's scheduler; a loop that also calls scheduler.step() gave your run a
+    schedule twice as fast as its challengers', silently."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / 20)
+    forks = hpx.Forks(model, opt, total_steps=20, schedule=sched, probe=PROBE)
+    forks.step(_loss, BATCHES[0])
+    sched.step()
+    with pytest.raises(hpx.ConfigError, match=r"at step 3, the forks' copies of it at 2: .*remove sched"):
+        forks.step(_loss, BATCHES[1])
+
+
+def test_a_probe_whose_loss_is_nan_at_the_start_is_refused_before_anything_trains():
+    model = _net()
+    before = copy.deepcopy(model.state_dict())
+    bad = [(PROBE[0][0], torch.full_like(PROBE[0][1], math.nan))]
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=20, probe=bad)
+    with pytest.raises(hpx.ConfigError, match="initial weights is nan: check the probe"):
+        forks.step(_loss, BATCHES[0])
+    assert all(torch.equal(a, b) for a, b in zip(before.values(), model.state_dict().values()))
+
+
+def test_converge_before_any_step_keeps_your_run():
+    """Nothing trained and no loss_fn= to score with: your run is kept (it raised an AssertionError)."""
+    model = _net()
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=20, probe=PROBE)
+    assert forks.converge() is model and forks.decided and forks.factor == 1.0
+    assert forks.converge() is model
