@@ -251,6 +251,35 @@ def _forward_backward(f: _Fork, loss_fn: LossFn, batch: Any, scale: float, scale
     return loss.detach().reshape(())
 
 
+def ranks_start_alike(forks: Any, model: torch.nn.Module) -> None:
+    """Under torch.distributed: every rank's settings of ``forks`` (``total_steps``, the number of
+    knobs, the multiples, the cuts, ``cool``, ``confidence``) and parameter count are rank 0's, or
+    every rank raises ``ConsistencyError`` (they went on to fail inside gloo); then every rank
+    starts from rank 0's weights."""
+    collective = forks.collective
+    if collective.world_size == 1:
+        return
+    settings = [forks.total_steps, len(forks.knobs), *forks.multiples, *(x for c in forks.cuts for x in c),
+                forks.cool, forks.confidence, sum(p.numel() for p in model.parameters())]
+    collective.check_same(torch.tensor(settings, dtype=torch.float64),
+                          "Forks settings (total_steps, knobs, multiples, cuts, cool, confidence, weights)")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            collective.broadcast_(t.data, 0)
+
+
+def probes_alike(collective: Collective, initial: float) -> None:
+    """Under torch.distributed, at the first step: every rank's probe gives the initial weights (rank
+    0's) rank 0's loss, or every rank raises ``ConsistencyError``; a probe sharded over the ranks
+    (a ``DistributedSampler``) was used silently, only rank 0's deciding."""
+    if collective.world_size == 1:
+        return
+    ref = collective.broadcast_object(initial, 0)
+    same = ref == initial or math.isclose(ref, initial, rel_tol=1e-4) or (ref != ref and initial != initial)
+    collective.check_same(torch.tensor([float(same)]), "probe losses at the initial weights (give every rank "
+                          "the same probe batches, not a shard of them: rank 0's probe decides)")
+
+
 def _unreached(trained: list[_Fork], start: _Fork) -> list[str]:
     """Forks other than your run whose backward gave none of their parameters a gradient: a loss_fn
     that computes the loss with your model object instead of the model it is given (``rep.model``)

@@ -63,6 +63,8 @@ from hpx._forks import (
     knobs_problems,
     paired_gain,
     probe_losses,
+    probes_alike,
+    ranks_start_alike,
     state_problems,
     type_name,
 )
@@ -195,10 +197,7 @@ class Forks:
                                "fewer than there are"])
         if schedule is not None and not isinstance(schedule, LRScheduler):
             schedule = LambdaLR(optimizer, schedule)
-        if self.collective.world_size > 1:  # every rank starts from rank 0's weights
-            with torch.no_grad():
-                for t in [*model.parameters(), *model.buffers()]:
-                    self.collective.broadcast_(t.data, 0)
+        ranks_start_alike(self, model)
         start = _Fork(1.0, Replica(0, model, optimizer), schedule, None)
         start.values = dict(bases)
         start.apply(self.knobs)
@@ -302,6 +301,7 @@ class Forks:
         micro-batch (and before the first step, the initial weights' probe loss)."""
         if self._initial is None and not self.decided:
             self._initial = self._scores([self._forks[0]], nan=True)[0]
+            probes_alike(self.collective, self._initial)
             ConfigError.check([] if self._initial == self._initial else [
                 "the probe's loss at your model's initial weights is nan: check the probe batches and the "
                 "probe's loss_fn for NaN (nothing was trained)"])

@@ -1001,3 +1001,24 @@ def test_converge_before_any_step_keeps_your_run():
     forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=20, probe=PROBE)
     assert forks.converge() is model and forks.decided and forks.factor == 1.0
     assert forks.converge() is model
+
+
+def _ranks_disagree(rank, world, what):
+    model = _net(p=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    steps = 20 + 4 * rank if what == "settings" else 20
+    probe = PROBE[rank:rank + 1] if what == "probe" else PROBE  # a validation set sharded over the ranks
+    try:
+        forks = hpx.Forks(model, opt, total_steps=steps, probe=probe, backend=TorchDistributed())
+        forks.step(_loss, BATCHES[0])
+    except hpx.ConsistencyError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("what, words", [("settings", "Forks settings"), ("probe", "same probe batches")])
+def test_ranks_that_disagree_on_settings_or_probe_all_raise_naming_it(what, words):
+    """total_steps that differ between ranks aborted inside gloo (mismatched message sizes); a probe
+    sharded over the ranks was used silently, rank 0's deciding. Both raise on every rank now."""
+    out = run_distributed(_ranks_disagree, 2, what)
+    assert all(msg is not None and words in msg for msg in out)
