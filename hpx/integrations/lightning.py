@@ -333,6 +333,8 @@ class ForksCallback(pl.Callback):
         after = _rng_get(device)
         try:
             for f in self.forks._open():
+                if f.model is not pl_module:
+                    _clocked(f.model, trainer)
                 _rng_set(self._before, device)
                 with trainer.precision_plugin.train_step_context(), warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message=".*self.log.*")  # a copy has no trainer
@@ -427,6 +429,37 @@ def _detached(module: pl.LightningModule) -> Iterator[None]:
         yield
     finally:
         module.trainer = trainer
+
+
+_CLOCKED: dict[type, type] = {}  # your module's class -> its class for the forks' copies
+
+
+def _clocked(copy_: pl.LightningModule, trainer: pl.Trainer) -> None:
+    """Give a fork's copy of your module (which has no trainer) your run's ``global_step`` and
+    ``current_epoch`` for the ``training_step`` it is about to take (without a trainer Lightning
+    reads them as 0, so a loss that depends on the step trained the forks on another), and make
+    ``self.trainer`` there an error that says why, through a subclass of your module's class that
+    only adds these three properties."""
+    cls = type(copy_)
+    if cls not in _CLOCKED.values():
+        if cls not in _CLOCKED:
+            _CLOCKED[cls] = type(cls.__name__, (cls,), {
+                "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                "global_step": property(lambda self: self._hpx_clock[0]),
+                "current_epoch": property(lambda self: self._hpx_clock[1]),
+                "trainer": property(_no_trainer, pl.LightningModule.trainer.fset)})
+        copy_.__class__ = _CLOCKED[cls]
+    copy_._hpx_clock = (trainer.global_step, trainer.current_epoch)
+
+
+def _no_trainer(module: pl.LightningModule) -> Any:
+    if module._trainer is None:
+        raise ConfigError(["training_step read self.trainer (or what reads it: self.lr_schedulers(), "
+                           "self.optimizers(), self.print) in a fork's copy of your module, which has no "
+                           "trainer: ForksCallback runs your training_step for every fork. Read "
+                           "self.global_step and self.current_epoch (your run's), and the lr in a callback "
+                           "or with LearningRateMonitor"])
+    return module._trainer
 
 
 def _forks_problems(trainer: pl.Trainer, module: pl.LightningModule) -> list[str]:

@@ -175,3 +175,17 @@ class Dropped(pl.LightningModule):
         opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=self.steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Ramped(Dropped):
+    """A loss weighted by the step and the epoch, as curricula and auxiliary-loss ramps are."""
+
+    def training_step(self, batch, batch_idx):
+        w = 1.0 + self.global_step / 8 + self.current_epoch
+        return w * F.cross_entropy(self(batch[0]), batch[1])
+
+
+class ReadsTrainer(Dropped):
+    def training_step(self, batch, batch_idx):
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        return super().training_step(batch, batch_idx)

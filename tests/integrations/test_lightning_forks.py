@@ -266,3 +266,26 @@ def test_resuming_a_checkpoint_saved_without_the_callback_is_refused_before_a_st
     with pytest.raises(ConfigError, match="saved without ForksCallback"):
         _fit(tmp_path / "b", resumed, 100, [cb], batch=128, ckpt_path=str(ckpt))
     assert cb.forks is None
+
+
+def test_a_training_step_that_reads_the_step_and_epoch_sees_your_runs_in_every_fork(tmp_path):
+    """A fork's copy of the module has no trainer, and Lightning then reads global_step and
+    current_epoch as 0: a loss ramped by them trained the forks on another loss, and the winner
+    was not plain Lightning at its multiple. The copies see your run's step and epoch."""
+    from tests.integrations._lit import Ramped
+
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    module = Ramped(lr=0.001, steps=60)
+    _fit(tmp_path / "f", module, 60, [cb])
+    assert cb.forks.factor == 16.0
+    plain = Ramped(lr=0.016, steps=60)
+    _fit(tmp_path / "p", plain, 60)
+    assert _same(_params(module), _params(plain))
+
+
+def test_a_training_step_that_reads_the_trainer_is_refused_in_a_forks_words(tmp_path):
+    from tests.integrations._lit import ReadsTrainer
+
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    with pytest.raises(ConfigError, match="in a fork's copy of your module, which has no trainer"):
+        _fit(tmp_path / "f", ReadsTrainer(lr=0.001, steps=20), 20, [cb])
