@@ -500,8 +500,11 @@ def state_problems(state: Any, settings: dict[str, Any], knobs: list[str], model
     odd = [f"{k}={state.get(k)!r} (this run has {v!r})" for k, v in settings.items()
            if _plain(state.get(k)) != _plain(v)]
     if odd:
+        done = (f" (it ended at step {state.get('step')}, decided: to train on past its end, load the saved "
+                "model, optimizer and scheduler without hpx; they hold the winner at its learning rate)"
+                if state.get("decided") else "")
         return [f"the saved run was built with other settings: {'; '.join(odd)}; build Forks with the saved "
-                "run's settings to resume it"]
+                f"run's settings to resume it{done}"]
     for what, obj in (("optimizer", optimizer), ("scheduler", scheduler)):
         saved = state.get(f"{what}_type", type_name(obj))  # states saved before it was kept: not checked
         if saved != type_name(obj):

@@ -283,9 +283,10 @@ def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: 
         if state.get("format") != _FORMAT:
             problems.append(f"{path}: unknown checkpoint file format {state.get('format')!r}")
         if state.get("world_size") != _processes(engine).world_size:
-            problems.append(f"{path} was saved by a run of {state.get('world_size')} processes, this one has "
-                            f"{_processes(engine).world_size}: resume with the saved run's process count, or "
-                            "with load_checkpoint(..., elastic=True)")
+            how = "" if isinstance(engine, Forks) else ", or with load_checkpoint(..., elastic=True)"
+            saved, now = state.get("world_size"), _processes(engine).world_size
+            problems.append(f"{path} was saved by a run of {saved} processes, this one has {now}: resume "
+                            f"with the saved run's process count{how}")
         problems += _step_problems(path, step, state)
         problems += [f"{path}: {p}" for p in engine._load_problems(state.get("engine"))]
         problems += _saved_extra_problems(path, state, extra) + _rng_problems(path, state, rng)

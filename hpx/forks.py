@@ -193,8 +193,8 @@ class Forks:
         settings = [(m, bases) for m in self.multiples if m != 1.0]
         settings += [(1.0, {**bases, k.name: v}) for k in self.knobs for v in knob_values(k)]
         if self.cuts and self.cuts[0][1] >= 1 + len(settings):
-            raise ConfigError([f"the first cut keeps {self.cuts[0][1]} of {1 + len(settings)} forks: keep "
-                               "fewer than there are"])
+            raise ConfigError([f"the first cut of cuts={list(self.cuts)} keeps {self.cuts[0][1]} of the "
+                               f"{1 + len(settings)} forks: give cuts= that keep fewer than there are"])
         if schedule is not None and not isinstance(schedule, LRScheduler):
             schedule = LambdaLR(optimizer, schedule)
         ranks_start_alike(self, model)

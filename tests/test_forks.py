@@ -475,7 +475,8 @@ def test_converge_before_the_end_decides_and_steps_past_it_warn_once(caplog):
     ({"multiples": (0.1, 10.0)}, r"one of them 1 \(your run\)"),
     ({"multiples": (1.0, 1.0, 3.0)}, "multiples must be distinct"),
     ({"cuts": ((0.5, 2), (0.2, 3))}, "shares rising"),
-    ({"cuts": ((0.1, 5),)}, "keeps 5 of 5 forks"),
+    ({"cuts": ((0.1, 5),)}, "keeps 5 of the 5 forks"),
+    ({"multiples": (0.1, 1.0, 10.0)}, r"cuts=\[\(0.1, 3\), \(0.25, 2\)\] keeps 3 of the 3 forks: give cuts="),
     ({"cool": 0.2}, r"cool=0.2 overlaps the cuts"),
     ({"confidence": -1}, "confidence must be a number >= 0"),
     ({"total_steps": 1}, "total_steps must be an integer >= 2"),
@@ -661,7 +662,7 @@ def test_a_refused_knob_leaves_the_optimizer_as_it_was():
     with pytest.raises(hpx.ConfigError, match="dropout"):
         hpx.Forks(model, opt, total_steps=20, probe=PROBE, schedule=lambda t: 0.5,
                   knobs=[hpx.Dropout(spread=0.1)])
-    with pytest.raises(hpx.ConfigError, match="keeps 2 of 2 forks"):
+    with pytest.raises(hpx.ConfigError, match="keeps 2 of the 2 forks"):
         hpx.Forks(model, opt, total_steps=20, probe=PROBE, schedule=lambda t: 0.5, multiples=(1.0, 2.0),
                   cuts=((0.5, 2),))
     assert opt.param_groups[0]["lr"] == 0.1 and "initial_lr" not in opt.param_groups[0]
@@ -754,6 +755,12 @@ def _ranks_resume(rank: int, world: int, folder: str) -> bool:
 
 def test_forks_resume_from_a_checkpoint_on_two_gloo_ranks(tmp_path):
     assert run_distributed(_ranks_resume, 2, str(tmp_path)) == [True, True]
+    model = _net(p=0.0)  # in one process it is refused with the fix Forks takes (not elastic=True)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), total_steps=20,
+                      probe=PROBE)
+    with pytest.raises(hpx.ConfigError, match="resume with the saved run's process count") as e:
+        hpx.load_checkpoint(str(tmp_path), forks)
+    assert "elastic" not in str(e.value)
 
 
 def test_a_shuffled_probe_loader_keeps_the_losses_paired():
@@ -1022,3 +1029,16 @@ def test_ranks_that_disagree_on_settings_or_probe_all_raise_naming_it(what, word
     sharded over the ranks was used silently, rank 0's deciding. Both raise on every rank now."""
     out = run_distributed(_ranks_disagree, 2, what)
     assert all(msg is not None and words in msg for msg in out)
+
+
+def test_a_finished_run_extended_is_refused_with_how_to_train_on():
+    """A checkpoint of a run that has ended, loaded into a longer one: the search cannot be
+    stretched; the message says so, and how to train on (the saved objects hold the winner)."""
+    model = _net()
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE)
+    for b in BATCHES[:20]:
+        forks.step(_loss, b)
+    longer = hpx.Forks(_net(), lambda m: torch.optim.SGD(m.parameters(), lr=0.05), total_steps=30,
+                       probe=PROBE)
+    with pytest.raises(hpx.ConfigError, match="ended at step 20, decided: to train on past its end, load"):
+        longer.load_state_dict(forks.state_dict())

@@ -465,6 +465,7 @@ def _no_trainer(module: pl.LightningModule) -> Any:
 def _forks_problems(trainer: pl.Trainer, module: pl.LightningModule) -> list[str]:
     """What keeps :class:`ForksCallback` from running in this fit."""
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    from torch.optim.lr_scheduler import ReduceLROnPlateau
 
     problems = []
     if not module.automatic_optimization:
@@ -475,7 +476,11 @@ def _forks_problems(trainer: pl.Trainer, module: pl.LightningModule) -> list[str
         problems.append(f"ForksCallback needs exactly one optimizer (the module configures "
                         f"{len(trainer.optimizers)})")
     configs = trainer.strategy.lr_scheduler_configs
-    if len(configs) > 1 or (configs and (configs[0].interval != "step" or configs[0].frequency != 1)):
+    if any(isinstance(c.scheduler, ReduceLROnPlateau) for c in configs):
+        problems.append("ForksCallback cannot follow ReduceLROnPlateau: it steps on a metric of your run's, "
+                        "which no other fork has; configure a step-driven scheduler with 'interval': 'step' "
+                        "(warm-up and cosine, OneCycleLR, ...)")
+    elif len(configs) > 1 or (configs and (configs[0].interval != "step" or configs[0].frequency != 1)):
         problems.append("ForksCallback steps a copy of your schedule per fork at every optimizer step: "
                         "configure one scheduler with 'interval': 'step' (and frequency 1); the module "
                         "configures "

@@ -123,6 +123,14 @@ class _Skips(Dropped):
         return None if batch_idx == 3 else super().training_step(batch, batch_idx)
 
 
+class _Plateau(Dropped):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+        return {"optimizer": opt,
+                "lr_scheduler": {"scheduler": sched, "interval": "step", "monitor": "train_loss"}}
+
+
 class _EpochSchedule(Dropped):
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=self.lr)
@@ -132,6 +140,7 @@ class _EpochSchedule(Dropped):
 @pytest.mark.parametrize("module, kw, words", [
     (_Manual, {}, "manual optimization"),
     (_EpochSchedule, {}, "'interval': 'step'"),
+    (_Plateau, {}, "cannot follow ReduceLROnPlateau: it steps on a metric"),
     (_Skips, {}, "returned None at batch 3"),
     (Dropped, {"gradient_clip_val": 0.1, "gradient_clip_algorithm": "value"},
      "gradient_clip_algorithm='value'"),
