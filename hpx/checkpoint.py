@@ -115,7 +115,7 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
         problems.append(f"keep=1 under torch.distributed ({_processes(engine).world_size} processes) can "
                         "leave the ranks no common step: a rank killed while saving keeps only the step "
                         "before, the others only the new one. Give keep=2 or more")
-    problems += _extra_problems(extra)
+    problems += _extra_problems(extra) + _directory_problems(Path(directory), "save_checkpoint")
     ConfigError.check(problems)
     unsound = _unsound(engine)
     if unsound:
@@ -226,18 +226,21 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
     return step
 
 
-def _directory_problems(root: Path) -> list[str]:
-    """What is wrong with ``root`` as a run's checkpoint directory (nothing when it does not
-    exist yet: a first run)."""
+def _directory_problems(root: Path, who: str = "load_checkpoint") -> list[str]:
+    """What is wrong with ``root`` as a run's checkpoint directory for ``who`` (nothing when it
+    does not exist yet: a first run)."""
     if root.is_file():
         up = root.parent.parent if root.parent.name and _STEP_DIR.match(root.parent.name) else root.parent
-        return [f"{root} is a file: give load_checkpoint the run's checkpoint directory, the one that holds "
+        return [f"{root} is a file: give {who} the run's checkpoint directory, the one that holds "
                 f"the step-... folders ({up}?)"]
     if not root.is_dir():
         return []
     if _STEP_DIR.match(root.name):
-        return [f"{root} is one step's folder: give load_checkpoint the run's checkpoint directory, the one "
-                f"that holds the step-... folders ({root.parent}); it resumes from the newest complete step"]
+        return [f"{root} is one step's folder: give {who} the run's checkpoint directory, the one "
+                f"that holds the step-... folders ({root.parent}); load_checkpoint resumes from the newest "
+                "complete step"]
+    if who == "save_checkpoint":
+        return []
     entries = [e.name for e in root.iterdir() if not e.name.startswith(".")]
     if entries and not any(_STEP_DIR.match(e) for e in entries):
         shown = ", ".join(sorted(entries)[:4]) + (" ..." if len(entries) > 4 else "")
