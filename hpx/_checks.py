@@ -104,18 +104,19 @@ def scaler_problems(scaler: Any, uses: tuple[str, ...] = ("unscale_", "step", "u
     return []
 
 
-def no_grad_problem(model: torch.nn.Module, loss: torch.Tensor, index: int) -> str:
-    """Why replica ``index``'s loss has no gradient to run backward on, and the fix."""
+def no_grad_problem(model: torch.nn.Module, loss: torch.Tensor, who: str) -> str:
+    """Why the loss of ``who`` (``"replica 3"``, ``"the fork at 10x"``) has no gradient to run
+    backward on, and the fix."""
     if not loss.is_floating_point():
         dtype = str(loss.dtype).removeprefix("torch.")
-        return (f"loss_fn returned a {dtype} tensor for replica {index}: backward "
+        return (f"loss_fn returned a {dtype} tensor for {who}: backward "
                 "needs a floating-point loss computed from the model's output (e.g. F.cross_entropy("
                 "rep.model(x), y)), not a count or an integer")
     if not any(p.requires_grad for p in model.parameters()):
-        return (f"replica {index}'s model has no trainable parameters (every parameter has requires_grad="
+        return (f"the model of {who} has no trainable parameters (every parameter has requires_grad="
                 "False), so its loss has no gradient: unfreeze the parameters to train "
-                "(p.requires_grad_(True)), or give the engine the part that trains")
-    return (f"the loss of replica {index} does not require grad: it was detached, or computed under "
+                "(p.requires_grad_(True)), or give hpx the part that trains")
+    return (f"the loss of {who} does not require grad: it was detached, or computed under "
             "torch.no_grad() or from .item() values; return the loss tensor computed from rep.model's "
             "output, with its graph")
 

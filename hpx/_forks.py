@@ -246,7 +246,7 @@ def _forward_backward(f: _Fork, loss_fn: LossFn, batch: Any, scale: float, scale
         raise TypeError(f"loss_fn must return a scalar tensor (got {_checks.shown(loss)})")
     out = loss * scale if scale != 1 else loss
     if not out.requires_grad:
-        raise ConfigError([_checks.no_grad_problem(f.model, loss, f.replica.index)])
+        raise ConfigError([_checks.no_grad_problem(f.model, loss, f"the fork at {f.factor:g}x")])
     (scaler.scale(out) if scaler is not None else out).backward()
     return loss.detach().reshape(())
 
@@ -375,8 +375,9 @@ def _unstepped(scheduler: Any) -> bool:
 
 def _scalar_or_rows(v: Any) -> torch.Tensor:
     if not torch.is_tensor(v) or v.dim() > 1:
-        raise TypeError(f"the probe's loss_fn must return a scalar or one loss per example (got "
-                        f"{_checks.shown(v)})")
+        fix = "return the loss tensor, not .item()" if not torch.is_tensor(v) else "shape [B] at most"
+        raise TypeError(f"the probe's loss_fn must return a tensor: a scalar or one loss per example (got "
+                        f"{_checks.shown(v)}; {fix})")
     return v.detach().reshape(-1)
 
 

@@ -503,7 +503,7 @@ def _called(loss_fn: LossFn, rep: Replica, part: Any) -> Any:
 def _backward_of(out: torch.Tensor, rep: Replica, loss: torch.Tensor) -> None:
     """``out.backward()``, with a loss that has no gradient named as the mistake it is."""
     if not out.requires_grad:
-        raise ConfigError([_checks.no_grad_problem(rep.model, loss, rep.index)])
+        raise ConfigError([_checks.no_grad_problem(rep.model, loss, f"replica {rep.index}")])
     out.backward()
 
 

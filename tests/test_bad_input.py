@@ -340,7 +340,7 @@ ENGINE_MORE = [
     Case("probe as one (x, y) tuple", lambda: _engine(signal=hpx.ProbeStream((x8, y8))), hpx.ConfigError,
          ("looks like one batch", "ProbeStream([(x_val, y_val)])")),
     Case("frozen model", _frozen_step, hpx.ConfigError,
-         ("replica 0's model has no trainable parameters", "requires_grad_(True)")),
+         ("the model of replica 0 has no trainable parameters", "requires_grad_(True)")),
     Case("loss_fn None on a fresh engine", lambda: _engine().step(None, (x8, y8)), hpx.ConfigError,
          ("loss_fn must be a function (replica, batch)", "(got None)")),
 ]

@@ -1042,3 +1042,16 @@ def test_a_finished_run_extended_is_refused_with_how_to_train_on():
                        probe=PROBE)
     with pytest.raises(hpx.ConfigError, match="ended at step 20, decided: to train on past its end, load"):
         longer.load_state_dict(forks.state_dict())
+
+
+def test_a_forks_loss_errors_name_the_fork_and_the_fix():
+    """A training loss without a graph names the fork (not 'replica 0', an engine's word); a probe
+    loss returned as a Python number says to return the tensor."""
+    model = _net()
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=20, probe=PROBE)
+    with pytest.raises(hpx.ConfigError, match="the loss of the fork at 1x does not require grad"):
+        forks.step(lambda rep, b: _loss(rep, b).detach(), BATCHES[0])
+    other = hpx.Forks(_net(), lambda m: torch.optim.SGD(m.parameters(), lr=0.01), total_steps=20, probe=PROBE,
+                      loss_fn=lambda rep, b: float(_loss(rep, b)))
+    with pytest.raises(TypeError, match=r"must return a tensor: .* return the loss tensor, not .item"):
+        other.step(_loss, BATCHES[0])
