@@ -1055,3 +1055,16 @@ def test_a_forks_loss_errors_name_the_fork_and_the_fix():
                       loss_fn=lambda rep, b: float(_loss(rep, b)))
     with pytest.raises(TypeError, match=r"must return a tensor: .* return the loss tensor, not .item"):
         other.step(_loss, BATCHES[0])
+
+
+def test_a_weight_decay_knob_on_a_group_without_decay_names_the_group_that_has_it():
+    """The usual groups (no decay on biases first): WeightDecay reads group 0's 0, which it cannot
+    spread around; the message names the group that decays."""
+    model = _net()
+    groups = [{"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+              {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.01}]
+    opt = torch.optim.AdamW(groups, lr=0.01)
+    with pytest.raises(hpx.ConfigError, match=r"weight_decay=0.0 from parameter group 0 .*give group=1"):
+        hpx.Forks(model, opt, total_steps=20, probe=PROBE, knobs=[hpx.WeightDecay(span=10)])
+    forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, knobs=[hpx.WeightDecay(span=10, group=1)])
+    assert forks.bases["weight_decay"] == 0.01

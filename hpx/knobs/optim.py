@@ -81,6 +81,20 @@ class GroupKnob(Knob):
     def targets(self, replica: Replica) -> list[str]:
         return [f"{self.key} of parameter group {self._index(replica)}"]
 
+    def resolve_base(self, replica: Replica) -> None:
+        """Fill ``base`` from the group's value if it was not given; a multiplicative knob read as 0
+        (weight decay off on that group) names the groups that have a value."""
+        if self._initial_base is None and self.kind == "mul" and self.read(replica) <= 0:
+            i, groups = self._index(replica), replica.optimizer.param_groups
+            have = [j for j, g in enumerate(groups)
+                    if isinstance(g.get(self.key), (int, float)) and g[self.key] > 0]
+            pick = (f"group={groups[have[0]].get('name', have[0])!r}" if have
+                    else f"a group whose {self.key} is > 0")
+            raise ConfigError([f"knob {self.name!r} reads {self.key}={groups[i][self.key]} from parameter "
+                               f"group {i} (group={self.group!r}), and a multiplicative knob needs a value "
+                               f"> 0 to spread around: give {pick}, or base=..."])
+        super().resolve_base(replica)
+
     def read(self, replica: Replica) -> float:
         value = replica.optimizer.param_groups[self._index(replica)][self.key]
         if hasattr(value, "item"):  # a tensor lr (capturable optimizers)

@@ -168,7 +168,8 @@ def test_group_by_name_errors_list_the_names():
 
 def test_zero_weight_decay_group_cannot_be_multiplicative():
     rep = make_replica()
-    with pytest.raises(hpx.ConfigError, match=r"must be > 0 \(got 0.0\)"):
+    with pytest.raises(hpx.ConfigError, match=r"weight_decay=0.0 from parameter group 0 \(group='embed'\).*"
+                                              r"needs a value > 0 to spread around: give group="):
         hpx.WeightDecay(group="embed", spread=0.2).resolve_base(rep)
 
 
