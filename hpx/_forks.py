@@ -14,12 +14,10 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from hpx import _checks
-from hpx._step import _split
-from hpx.backends.base import Collective
 from hpx.errors import ConfigError
 from hpx.knobs.base import Knob
 from hpx.replica import Replica
-from hpx.signals import LossFn, _leaves, _one_batch_problems
+from hpx.signals import LossFn, _one_batch_problems
 
 _FORMAT = "hpx.forks/2"
 _SETTINGS = ("total_steps", "multiples", "cuts", "cool", "confidence")
@@ -251,35 +249,6 @@ def _forward_backward(f: _Fork, loss_fn: LossFn, batch: Any, scale: float, scale
     return loss.detach().reshape(())
 
 
-def ranks_start_alike(forks: Any, model: torch.nn.Module) -> None:
-    """Under torch.distributed: every rank's settings of ``forks`` (``total_steps``, the number of
-    knobs, the multiples, the cuts, ``cool``, ``confidence``) and parameter count are rank 0's, or
-    every rank raises ``ConsistencyError`` (they went on to fail inside gloo); then every rank
-    starts from rank 0's weights."""
-    collective = forks.collective
-    if collective.world_size == 1:
-        return
-    settings = [forks.total_steps, len(forks.knobs), *forks.multiples, *(x for c in forks.cuts for x in c),
-                forks.cool, forks.confidence, sum(p.numel() for p in model.parameters())]
-    collective.check_same(torch.tensor(settings, dtype=torch.float64),
-                          "Forks settings (total_steps, knobs, multiples, cuts, cool, confidence, weights)")
-    with torch.no_grad():
-        for t in [*model.parameters(), *model.buffers()]:
-            collective.broadcast_(t.data, 0)
-
-
-def probes_alike(collective: Collective, initial: float) -> None:
-    """Under torch.distributed, at the first step: every rank's probe gives the initial weights (rank
-    0's) rank 0's loss, or every rank raises ``ConsistencyError``; a probe sharded over the ranks
-    (a ``DistributedSampler``) was used silently, only rank 0's deciding."""
-    if collective.world_size == 1:
-        return
-    ref = collective.broadcast_object(initial, 0)
-    same = ref == initial or math.isclose(ref, initial, rel_tol=1e-4) or (ref != ref and initial != initial)
-    collective.check_same(torch.tensor([float(same)]), "probe losses at the initial weights (give every rank "
-                          "the same probe batches, not a shard of them: rank 0's probe decides)")
-
-
 def _unreached(trained: list[_Fork], start: _Fork) -> list[str]:
     """Forks other than your run whose backward gave none of their parameters a gradient: a loss_fn
     that computes the loss with your model object instead of the model it is given (``rep.model``)
@@ -308,40 +277,6 @@ def _stepped_apart(forks: list[_Fork]) -> list[str]:
         return []
     return [f"your scheduler is at step {mine}, the forks' copies of it at {theirs}: hpx.Forks steps every "
             "fork's scheduler itself; remove scheduler.step() from your loop"]
-
-
-def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collective: Collective, units: bool,
-                 averaged: list[_Fork]) -> list[list[torch.Tensor]]:
-    """Each fork's probe loss per batch (a scalar) or per example, in eval mode, without touching
-    the global random stream; per example for every batch with ``units`` (a loss that gives one
-    number per batch is then evaluated one example at a time). The probe is read once and every
-    fork scores each batch, so losses pair up even when the probe is a shuffled DataLoader. Under
-    torch.distributed the floating buffers of the forks in ``averaged`` are averaged over the ranks
-    first."""
-    dev = _device(forks[0].model)
-    keep = _rng_get(dev)
-    was = [[(m, m.training) for m in f.model.modules()] for f in forks]  # each module's own mode
-    for f in forks:
-        if collective.world_size > 1 and any(f is a for a in averaged):
-            _average_buffers(f.model, collective)
-        f.model.eval()
-    out: list[list[torch.Tensor]] = [[] for _ in forks]
-    try:
-        with torch.no_grad():
-            for b in probe:
-                rows = _rows(b)
-                for f, mine in zip(forks, out):
-                    v = _scalar_or_rows(fn(f.replica, b))
-                    if units and v.numel() == 1 and rows > 1:  # one example at a time
-                        v = torch.stack([_scalar_or_rows(fn(f.replica, r)).reshape(())
-                                         for r in _split(b, rows)])
-                    mine.append(v.detach().to("cpu", torch.float64))
-    finally:
-        for modes in was:
-            for m, w in modes:
-                m.training = w
-        _rng_set(keep, dev)
-    return out
 
 
 def common_draws(device: torch.device, calls: Sequence[Callable[[], Any]]) -> list[Any]:
@@ -373,22 +308,6 @@ def _unstepped(scheduler: Any) -> bool:
     return any(_unstepped(s) for s in getattr(scheduler, "_schedulers", ()))
 
 
-def _scalar_or_rows(v: Any) -> torch.Tensor:
-    if not torch.is_tensor(v) or v.dim() > 1:
-        fix = "return the loss tensor, not .item()" if not torch.is_tensor(v) else "shape [B] at most"
-        raise TypeError(f"the probe's loss_fn must return a tensor: a scalar or one loss per example (got "
-                        f"{_checks.shown(v)}; {fix})")
-    return v.detach().reshape(-1)
-
-
-def _rows(batch: Any) -> int:
-    """The number of examples in ``batch``: the first dimension of its first tensor (1 if none)."""
-    for _, t in _leaves(batch, "batch"):
-        if t.dim() >= 1:
-            return int(t.shape[0])
-    return 1
-
-
 def _device(model: torch.nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
@@ -405,16 +324,6 @@ def _rng_set(state: dict[str, Any], device: torch.device) -> None:
     torch.random.set_rng_state(state["cpu"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-@torch.no_grad()
-def _average_buffers(model: torch.nn.Module, collective: Collective) -> None:
-    """A model's floating buffers (running statistics) <- their mean over the ranks."""
-    bufs = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
-    if bufs:
-        collective.all_reduce_sum_(bufs)
-        for b in bufs:
-            b.div_(collective.world_size)
 
 
 def _plain(v: Any) -> Any:

@@ -46,6 +46,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hpx import _checks
 from hpx._buckets import dtype_groups
+from hpx._fork_probe import _layout, first_checked, probe_losses, probes_alike, ranks_start_alike
 from hpx._forks import (
     _FORMAT,
     _LOST,
@@ -56,15 +57,11 @@ from hpx._forks import (
     _ranked,
     _settings_problems,
     _stepped_apart,
-    _unreached,
     _unstepped,
     common_draws,
     knob_values,
     knobs_problems,
     paired_gain,
-    probe_losses,
-    probes_alike,
-    ranks_start_alike,
     state_problems,
     type_name,
 )
@@ -250,10 +247,10 @@ class Forks:
             self._probe_fn = loss_fn
         trained = self._open()
         calls = [lambda f=f: _forward_backward(f, loss_fn, batch, scale, scaler) for f in trained]
+        before = _layout(batch) if self.step_count == 0 else None  # the first step checks loss_fn
         try:
-            found = common_draws(_device(self._forks[0].model), calls)
-            if self.step_count == 0:
-                ConfigError.check(_unreached(trained, self._forks[0]))
+            found = first_checked(lambda: common_draws(_device(self._forks[0].model), calls), before, batch,
+                                  trained, self._forks[0])
         except BaseException:
             self._fresh = True  # a failed backward (an OOM you skip) leaves no gradient behind
             raise
@@ -300,7 +297,7 @@ class Forks:
         """The forks a backward trains, their gradients cleared at an optimizer step's first
         micro-batch (and before the first step, the initial weights' probe loss)."""
         if self._initial is None and not self.decided:
-            self._initial = self._scores([self._forks[0]], nan=True)[0]
+            self._initial = self._scores([self._forks[0]], first=True)[0]
             probes_alike(self.collective, self._initial)
             ConfigError.check([] if self._initial == self._initial else [
                 "the probe's loss at your model's initial weights is nan: check the probe batches and the "
@@ -378,8 +375,8 @@ class Forks:
         if keep is not None and keep < len(self._forks):
             k = min(max(1, round(self.cool * self.total_steps)), self.total_steps - s) if self.cool > 0 else 0
             if k > 0:  # anneal a copy of every fork over the next k steps, then decide on them
-                self._clones = [f.copied(len(self._forks) + i, ramp=(s, k))
-                                for i, f in enumerate(self._forks) if not f.lost]
+                n = 1 + max(f.replica.index for f in self._forks)  # indices no fork trained now has
+                self._clones = [f.copied(n + i, ramp=(s, k)) for i, f in enumerate(self._forks) if not f.lost]
                 self._parents = [i for i, f in enumerate(self._forks) if not f.lost]
                 self._decide_at = (s + k, keep)
             else:
@@ -483,19 +480,19 @@ class Forks:
 
     # --- the probe ---------------------------------------------------------------------------
 
-    def _probe_losses(self, forks: list[_Fork], units: bool) -> list[list[torch.Tensor]]:
+    def _probe_losses(self, forks: list[_Fork], units: bool, first: bool = False) -> list[list[torch.Tensor]]:
         """Each fork's probe loss per batch (a scalar) or per example (``units``): see
         :func:`hpx._forks.probe_losses`. Your run's buffers are left as they are when a framework
         trains it (its own data-parallel wrapper keeps them)."""
         assert self._probe_fn is not None
         averaged = [f for f in forks if not (self._outside and f is self._forks[0])]
-        return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged)
+        return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged, first)
 
-    def _scores(self, forks: list[_Fork], nan: bool = False) -> list[float]:
+    def _scores(self, forks: list[_Fork], first: bool = False) -> list[float]:
         """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;
-        ``inf`` when it is not finite (``nan`` stays with ``nan=True``)."""
+        ``inf`` when it is not finite (``nan`` stays on the ``first`` pass, which checks the loss)."""
         out = []
-        for parts in self._probe_losses(forks, units=False):
+        for parts in self._probe_losses(forks, units=False, first=first):
             if not parts:
                 raise ConfigError(["the probe yielded no batches: give a list of held-out batches (an "
                                    "exhausted generator cannot be iterated again)"])
@@ -504,7 +501,7 @@ class Forks:
             else:
                 flat = torch.stack([p.reshape(()) for p in parts])
             v = float(flat.mean())
-            out.append(v if math.isfinite(v) or (nan and math.isnan(v)) else math.inf)
+            out.append(v if math.isfinite(v) or (first and math.isnan(v)) else math.inf)
         return out
 
     def _gain(self, a: _Fork, b: _Fork) -> float:

@@ -1068,3 +1068,91 @@ def test_a_weight_decay_knob_on_a_group_without_decay_names_the_group_that_has_i
         hpx.Forks(model, opt, total_steps=20, probe=PROBE, knobs=[hpx.WeightDecay(span=10)])
     forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, knobs=[hpx.WeightDecay(span=10, group=1)])
     assert forks.bases["weight_decay"] == 0.01
+
+
+class _Stateful(nn.Module):
+    """Truncated backpropagation through time: the hidden state is carried from batch to batch on the
+    model (``self.h``), as a plain attribute or a buffer."""
+
+    def __init__(self, buffer: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.out = nn.GRU(1, 8, batch_first=True), nn.Linear(8, 1)
+        if buffer:
+            self.register_buffer("h", None)
+        else:
+            self.h = None
+
+    def forward(self, x):
+        y, h = self.rnn(x.unsqueeze(-1), self.h)
+        self.h = h.detach()
+        return self.out(y[:, -1])
+
+
+@pytest.mark.parametrize("buffer", [False, True], ids=["attribute", "buffer"])
+def test_scoring_the_probe_leaves_no_trace_on_a_model_that_keeps_state(buffer):
+    """The probe is scored on your model before the first step and at the end: a hidden state its
+    forward keeps was left there (the probe's, of another batch size: the next step failed; or the
+    next batch started from it, so your kept run was not plain training)."""
+    def probe_loss(rep, b):  # the probe is another stream: it starts from no state
+        rep.model.h = None
+        return _per_example(rep, b)
+
+    model = _Stateful(buffer)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=20, probe=PROBE,
+                      loss_fn=probe_loss, confidence=1e9)
+    for b in BATCHES[:20]:
+        forks.step(_loss, b)
+    ref = _Stateful(buffer)
+    _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.01), None, BATCHES[:20])
+    assert _same(model, ref) and torch.equal(model.h, ref.h)
+
+
+def test_every_run_trained_at_a_step_has_its_own_index():
+    """rep.index tells the runs trained at a step apart (a cut's annealed copies were numbered after
+    the forks left, so a copy shared its index with a surviving fork)."""
+    forks = hpx.Forks(_net(), lambda m: torch.optim.SGD(m.parameters(), lr=0.01), total_steps=STEPS,
+                      probe=PROBE, loss_fn=_loss)
+    seen: list[list[int]] = []
+    for b in BATCHES[:STEPS]:
+        seen.append([])
+        forks.step(lambda rep, b: seen[-1].append(rep.index) or _loss(rep, b), b)
+    assert all(len(set(s)) == len(s) for s in seen) and max(len(s) for s in seen) == 10
+
+
+def test_a_loss_fn_that_changes_the_batch_is_refused_at_the_first_step():
+    """Every fork is given the same batch: a loss that scales the inputs in place gave each later
+    fork other data; one that pops the labels made the next fork fail with a bare KeyError."""
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=20, probe=PROBE,
+                      loss_fn=_loss)
+    x, y = BATCHES[0]
+    with pytest.raises(hpx.ConfigError, match=r"changed the batch it was given.*compute on copies"):
+        forks.step(lambda rep, b: F.mse_loss(rep.model(b[0].mul_(1.0)).squeeze(-1), b[1]), (x.clone(), y))
+
+    def pops(rep, b):
+        return F.mse_loss(rep.model(b["x"]).squeeze(-1), b.pop("y"))
+
+    with pytest.raises(hpx.ConfigError, match=r"batch\.pop\('labels'\)"):
+        forks.step(pops, {"x": x, "y": y})
+    assert _same(model, _net(p=0.0)) and forks.step_count == 0
+
+
+def test_a_probe_mean_the_end_could_not_take_apart_is_refused_before_the_first_step():
+    """The end's test scores a mean probe loss one example at a time; a loss that cannot be taken
+    apart so failed at the run's last step (a .squeeze() dropping the batch dimension) or split it
+    wrongly (text kept as a list of strings), after the whole run."""
+    model = _net(p=0.0)
+
+    def squeezed(rep, b):  # a binary classifier's usual loss
+        return F.binary_cross_entropy_with_logits(rep.model(b[0]).squeeze(), (b[1] > 0).float())
+
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=20, probe=PROBE,
+                      loss_fn=squeezed)
+    with pytest.raises(hpx.ConfigError, match=r"fails on one example of a probe batch.*reduction='none'"):
+        forks.step(_loss, BATCHES[0])
+    texts = [{"x": x, "y": y, "text": ["row"] * len(y)} for x, y in PROBE]
+    forks = hpx.Forks(_net(), lambda m: torch.optim.SGD(m.parameters(), lr=0.01), total_steps=20, probe=texts,
+                      loss_fn=lambda rep, b: F.mse_loss(rep.model(b["x"]).squeeze(-1), b["y"]))
+    with pytest.raises(hpx.ConfigError, match=r"batch\['text'\]\[0\] of a probe batch is not a tensor"):
+        forks.step(_loss, BATCHES[0])

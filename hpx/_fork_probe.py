@@ -1,0 +1,217 @@
+"""What hpx.Forks reads from the probe, and what it checks across ranks: each fork's probe losses
+(per batch or per example), taken without leaving a trace on the models scored, and the checks that
+make a wrong loss_fn, batch or probe an error at the first step rather than a wrong decision later."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from hpx import _checks
+from hpx._forks import _device, _Fork, _rng_get, _rng_set, _unreached
+from hpx._step import _split
+from hpx.backends.base import Collective
+from hpx.errors import ConfigError
+from hpx.signals import LossFn, _leaves
+
+log = logging.getLogger("hpx")
+
+
+def ranks_start_alike(forks: Any, model: torch.nn.Module) -> None:
+    """Under torch.distributed: every rank's settings of ``forks`` (``total_steps``, the number of
+    knobs, the multiples, the cuts, ``cool``, ``confidence``) and parameter count are rank 0's, or
+    every rank raises ``ConsistencyError`` (they went on to fail inside gloo); then every rank
+    starts from rank 0's weights."""
+    collective = forks.collective
+    if collective.world_size == 1:
+        return
+    settings = [forks.total_steps, len(forks.knobs), *forks.multiples, *(x for c in forks.cuts for x in c),
+                forks.cool, forks.confidence, sum(p.numel() for p in model.parameters())]
+    collective.check_same(torch.tensor(settings, dtype=torch.float64),
+                          "Forks settings (total_steps, knobs, multiples, cuts, cool, confidence, weights)")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            collective.broadcast_(t.data, 0)
+
+
+def probes_alike(collective: Collective, initial: float) -> None:
+    """Under torch.distributed, at the first step: every rank's probe gives the initial weights (rank
+    0's) rank 0's loss, or every rank raises ``ConsistencyError``; a probe sharded over the ranks
+    (a ``DistributedSampler``) was used silently, only rank 0's deciding."""
+    if collective.world_size == 1:
+        return
+    ref = collective.broadcast_object(initial, 0)
+    same = ref == initial or math.isclose(ref, initial, rel_tol=1e-4) or (ref != ref and initial != initial)
+    collective.check_same(torch.tensor([float(same)]), "probe losses at the initial weights (give every rank "
+                          "the same probe batches, not a shard of them: rank 0's probe decides)")
+
+
+def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collective: Collective, units: bool,
+                 averaged: list[_Fork], first: bool = False) -> list[list[torch.Tensor]]:
+    """Each fork's probe loss per batch (a scalar) or per example, in eval mode, without touching
+    the global random stream; per example for every batch with ``units`` (a loss that gives one
+    number per batch is then evaluated one example at a time). The probe is read once and every
+    fork scores each batch, so losses pair up even when the probe is a shuffled DataLoader. Under
+    torch.distributed the floating buffers of the forks in ``averaged`` are averaged over the ranks
+    first. What a forward leaves on a model (every module's mode, attributes and buffers: a hidden
+    state kept as ``self.h``) is put back after the pass, so scoring your run does not change how
+    it trains. On the ``first`` pass (before any step) the loss is also checked for what would fail
+    or mislead later: a batch it changes, and a mean it could not give one example at a time."""
+    dev = _device(forks[0].model)
+    keep = _rng_get(dev)
+    for f in forks:
+        if collective.world_size > 1 and any(f is a for a in averaged):
+            _average_buffers(f.model, collective)
+    kept = [_ModelState(f.model) for f in forks]
+    for f in forks:
+        f.model.eval()
+    out: list[list[torch.Tensor]] = [[] for _ in forks]
+    try:
+        with torch.no_grad():
+            for i, b in enumerate(probe):
+                rows, before = _rows(b), _layout(b) if first else None
+                for f, mine in zip(forks, out):
+                    v = _scalar_or_rows(fn(f.replica, b))
+                    if first and i == 0 and v.numel() == 1 and rows > 1:
+                        ConfigError.check(_one_example_problems(f, fn, b, rows))
+                    if units and v.numel() == 1 and rows > 1:  # one example at a time
+                        v = torch.stack([_scalar_or_rows(fn(f.replica, r)).reshape(())
+                                         for r in _split(b, rows)])
+                    mine.append(v.detach().to("cpu", torch.float64))
+                if first:
+                    ConfigError.check(batch_changed(before, b, "the probe's loss_fn"))
+    finally:
+        for k in kept:
+            k.restore()
+        _rng_set(keep, dev)
+    return out
+
+
+_WARNED: dict[str, bool] = {}  # in-place changes already warned of, by the first tensor's name
+
+
+class _ModelState:
+    """What a forward may leave on a model: each module's attributes (its mode, a hidden state kept
+    as ``self.h``, a cache) and buffers, kept by reference to be put back, and the versions of its
+    tensors, to tell a change made in place (which cannot be undone: ``Embedding(max_norm=...)``
+    renormalises rows of its weight in its forward)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.saved = [(m, dict(vars(m)), dict(m._buffers)) for m in model.modules()]
+        named = itertools.chain(model.named_parameters(), model.named_buffers())
+        self.versions = [(n, t, t._version) for n, t in named]
+
+    def restore(self) -> None:
+        for m, attrs, bufs in self.saved:
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+            m._buffers.clear()
+            m._buffers.update(bufs)
+        changed = [n for n, t, v in self.versions if t._version != v]
+        if changed and not _WARNED.get(changed[0]):
+            _WARNED[changed[0]] = True
+            log.warning("the model's forward changed %s in place while the probe was scored (an "
+                        "Embedding(max_norm=...) renormalises its weight's rows): hpx cannot undo it, so "
+                        "the run is no longer exactly plain training", changed[:3])
+
+
+def _layout(batch: Any) -> Any:
+    """What a loss_fn may change in a batch: each tensor (by identity and version) and each dict's
+    keys."""
+    if torch.is_tensor(batch):
+        return ("tensor", id(batch), batch._version)
+    if isinstance(batch, (list, tuple)):
+        return (type(batch).__name__, [_layout(b) for b in batch])
+    if isinstance(batch, dict):
+        return ("dict", [(k, _layout(v)) for k, v in batch.items()])
+    return ("other", id(batch))
+
+
+def batch_changed(before: Any, batch: Any, who: str) -> list[str]:
+    """A batch that ``who`` changed in place: every fork is given the same batch object, so the
+    forks after the first would see other data."""
+    if before is None or _layout(batch) == before:
+        return []
+    return [f"{who} changed the batch it was given (a tensor modified in place, as x.mul_(2), or an entry "
+            "removed, as batch.pop('labels')); every fork is given the same batch, so the forks after "
+            "your run's saw other data: compute on copies (x = x * 2; batch['labels'])"]
+
+
+def first_checked(call: Callable[[], Any], before: Any, batch: Any, trained: list[_Fork],
+                  start: _Fork) -> Any:
+    """``call()`` (every fork's forward and backward); on the first step (``before``: the batch's
+    :func:`_layout` before it) also what a wrong loss_fn does silently: a batch it changes in place,
+    a loss computed with your model object (:func:`hpx._forks._unreached`). A failure (a later fork's
+    ``KeyError`` after ``batch.pop('labels')``) names a batch the loss changed."""
+    try:
+        out = call()
+    except Exception:
+        ConfigError.check(batch_changed(before, batch, "loss_fn"))
+        raise
+    if before is not None:
+        ConfigError.check(batch_changed(before, batch, "loss_fn") + _unreached(trained, start))
+    return out
+
+
+def _one_example_problems(f: _Fork, fn: LossFn, batch: Any, rows: int) -> list[str]:
+    """Why the end's test could not evaluate the probe's mean loss one example at a time (found at
+    the first probe pass, not at the run's end)."""
+    fix = "return one loss per example (reduction='none') through loss_fn="
+    odd = [w for w, x in _objects(batch, "batch") if not isinstance(x, (int, float, bool, type(None)))]
+    if odd:
+        return [f"{odd[0]} of a probe batch is not a tensor, and hpx cannot cut it into examples for the "
+                f"end's test (which scores a mean loss one example at a time): {fix}"]
+    lengths = {w: int(t.shape[0]) for w, t in _leaves(batch, "batch") if t.dim() >= 1}
+    if any(n != rows for n in lengths.values()):
+        return [f"the tensors of a probe batch have different lengths ({lengths}), so hpx cannot cut it into "
+                f"examples for the end's test: {fix}"]
+    try:
+        fn(f.replica, _split(batch, rows)[0])
+    except Exception as e:
+        return [f"the probe's loss_fn fails on one example of a probe batch ({type(e).__name__}: {e}; a "
+                f".squeeze() that drops the batch dimension?), and the end's test scores a mean loss one "
+                f"example at a time: {fix}"]
+    return []
+
+
+def _objects(x: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """Every leaf of a nested batch that is not a tensor, with where it sits."""
+    if isinstance(x, (list, tuple)):
+        for i, v in enumerate(x):
+            yield from _objects(v, f"{where}[{i}]")
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            yield from _objects(v, f"{where}[{k!r}]")
+    elif not torch.is_tensor(x):
+        yield where, x
+
+
+def _scalar_or_rows(v: Any) -> torch.Tensor:
+    if not torch.is_tensor(v) or v.dim() > 1:
+        fix = "return the loss tensor, not .item()" if not torch.is_tensor(v) else "shape [B] at most"
+        raise TypeError(f"the probe's loss_fn must return a tensor: a scalar or one loss per example (got "
+                        f"{_checks.shown(v)}; {fix})")
+    return v.detach().reshape(-1)
+
+
+def _rows(batch: Any) -> int:
+    """The number of examples in ``batch``: the first dimension of its first tensor (1 if none)."""
+    for _, t in _leaves(batch, "batch"):
+        if t.dim() >= 1:
+            return int(t.shape[0])
+    return 1
+
+
+@torch.no_grad()
+def _average_buffers(model: torch.nn.Module, collective: Collective) -> None:
+    """A model's floating buffers (running statistics) <- their mean over the ranks."""
+    bufs = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
+    if bufs:
+        collective.all_reduce_sum_(bufs)
+        for b in bufs:
+            b.div_(collective.world_size)
