@@ -72,6 +72,7 @@ class _RunState:
         self._bad.copy_(state["bad"].to(self._bad) if "bad" in state else torch.zeros_like(self._bad))
         self._acc_n = list(state["acc_n"])
         self.history = [SyncRecord(**r) for r in state["history"]]
+        self._history_appends = True  # the file is the resumed run's: later syncs add to it
         path = self.config.history_file
         if path is not None and self._writes_files:
             from hpx.history import _truncate_file
@@ -138,6 +139,11 @@ class _RunState:
         self._bad.zero_()
         self._acc_n = [0] * self.n_local
         self.history = [SyncRecord(**r) for r in first["history"]]
+        self._history_appends = True
+        if self.config.history_file is not None and self._writes_files:
+            from hpx.history import _truncate_file
+
+            _truncate_file(self.config.history_file, self.step_count)
         # The saved placement was for the saved replica count: the next sync scores the (identical)
         # replicas where they are, and the strategy's next decision places the new count.
         self._load_anchor({**first, "placement": None})

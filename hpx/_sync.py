@@ -97,7 +97,7 @@ class _Syncing:
         rec.bases = {k.name: k.base for k in self.knobs}
         self.knobs.label_lr(rec)
         self._keep(rec)
-        if log.isEnabledFor(logging.INFO):
+        if log.isEnabledFor(logging.INFO) and self.collective.rank == 0:  # one line per sync, not per rank
             log.info("sync at step %d: %s", self.step_count, rec.summary())
         try:
             for callback in self._on_sync:
@@ -350,8 +350,9 @@ class _Syncing:
         if path is not None and self._writes_files:
             from hpx.history import _record_line
 
-            with open(path, "a") as f:
+            with open(path, "a" if self._history_appends else "w") as f:  # not a former run's lines
                 f.write(_record_line(rec) + "\n")
+            self._history_appends = True
 
 
 def _weights_norm(model: torch.nn.Module, constants: Collection[str] = ()) -> torch.Tensor:

@@ -48,7 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from hpx.history import plot_history
 
-        print(f"plot written to {plot_history(history, args.plot)}")
+        try:
+            print(f"plot written to {plot_history(history, args.plot)}")
+        except ValueError as exc:  # an empty history: nothing to plot
+            print(f"hpx: no plot: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

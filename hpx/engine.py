@@ -241,6 +241,7 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         self.history: list[SyncRecord] = []
         if cfg.history_file is not None and self._writes_files:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.history_file)), exist_ok=True)
+        self._history_appends = False  # a fresh run's first sync starts the file anew
         self._agreement_due = False  # after a load: check that the ranks resumed alike
         ends = getattr(self.search, "total_steps", None)  # a search planned over the run's length
         self._past_end = ends + 1 if isinstance(ends, int) else -1  # the first step past it: warned

@@ -108,7 +108,7 @@ def _fork_labels(r: SyncRecord) -> list[str]:
 
 def _kept(r: SyncRecord) -> int:
     """The fork whose setting a decision leaves your run at (the record's bases): yours at a cut."""
-    return next((i for i in range(len(r.scores)) if all(r.values[k][i] == v for k, v in r.bases.items())), 0)
+    return r.kept() or 0
 
 
 def _forks_table(history: Sequence[SyncRecord], names: list[str], label: Callable[[str], str]) -> str:
@@ -231,7 +231,7 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
+    return path if path.suffix else path.with_suffix(".png")  # matplotlib adds it to a bare name
 
 
 def _plot_fork_scores(ax: object, history: Sequence[SyncRecord]) -> None:

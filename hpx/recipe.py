@@ -24,6 +24,7 @@ Nothing has to be tuned:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence, Sized
 from numbers import Integral
 from typing import Any, Union
@@ -114,8 +115,9 @@ def autolr(
         problems.append(f"total_steps must be an integer >= 1 (got {total_steps!r})")
     taken = [k for k in settings if k in _CONTROLLER_SETTINGS]
     if taken:
-        problems.append(f"autolr sets its own search; {', '.join(taken)} belong to hpx.search.HDET "
-                        "(use hpx.Engine(..., search=hpx.search.HDET(...)) for that controller)")
+        problems.append(f"autolr sets its own search and sync schedule, so it takes no {', '.join(taken)} "
+                        "(those are HDET's: use hpx.Engine(..., search=hpx.search.HDET(...)) for that "
+                        "controller)")
     if probe is not None and not isinstance(probe, Iterable):
         problems.append(f"probe must be an iterable of batches or None (got {type(probe).__name__})")
     elif probe is not None:
@@ -130,7 +132,15 @@ def autolr(
     ConfigError.check(problems)
     lrs, followed = None, []
     if isinstance(schedule, LRScheduler):
+        other = schedule.optimizer if schedule.optimizer is not optimizer else None
         schedule, lrs, followed = read_schedule(schedule, int(total_steps))
+        given = isinstance(optimizer, torch.optim.Optimizer)
+        mine = [float(g["lr"]) for g in optimizer.param_groups] if given else None
+        if other is not None and mine is not None and lrs is not None and not all(
+                math.isclose(a, float(b), rel_tol=1e-6) for a, b in zip(mine, lrs)):
+            raise ConfigError([f"schedule is built on another optimizer, whose peak learning rates {lrs} are "
+                               f"not optimizer's {mine}: autolr explores around the schedule's; build the "
+                               "scheduler on the optimizer you pass"])
     search = Stretch(int(total_steps), span=span)
     if probe is not None:  # a few held-out batches per sync (the whole probe when it is that small)
         n = min(len(probe), _PROBE_BATCHES) if isinstance(probe, Sized) and len(probe) else 1

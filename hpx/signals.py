@@ -276,6 +276,13 @@ class ProbeStream:
         self._content: int | None = None  # a digest of list data (see _spec)
 
     def _next(self) -> Any:
+        rng = torch.random.get_rng_state()  # a DataLoader's iterator draws its seeds from the global
+        try:                                 # stream: reading the probe must not move your run's
+            return self._next_batch()
+        finally:
+            torch.random.set_rng_state(rng)
+
+    def _next_batch(self) -> Any:
         for _ in range(2):
             if self._it is None:
                 self._it = iter(self.data)

@@ -72,10 +72,27 @@ class SyncRecord:
         (``lr_factor``), else its name."""
         return f"{name} factor" if name == self.lr_factor else name
 
+    def kept(self) -> int | None:
+        """For a decision of :class:`hpx.Forks` (``phase`` ``"cut"`` or ``"end"``): the index of the
+        fork whose setting your run trains at after it (yours at a cut); ``None`` for an engine's
+        sync."""
+        if self.phase not in ("cut", "end"):
+            return None
+        return next((i for i in range(len(self.scores))
+                     if all(self.values[k][i] == v for k, v in self.bases.items())), 0)
+
+    def run_lr(self) -> float | None:
+        """The learning rate the run trains at: for :class:`hpx.Forks` your run's after the
+        decision, for an engine the mean over the replicas (``None`` when ``lr`` is not known)."""
+        if not self.lr:
+            return None
+        k = self.kept()
+        return self.lr[k] if k is not None and k < len(self.lr) else sum(self.lr) / len(self.lr)
+
     def summary(self) -> str:
-        """The learning rate the optimizer used (mean over the replicas, when ``lr`` is known)
-        and every knob's base, as ``"lr 0.00175, lr factor 17.51"``: the text of the sync's
-        INFO log line and the start of :class:`~hpx.ProgressBar`'s."""
-        parts = [f"lr {sum(self.lr) / len(self.lr):.4g}"] if self.lr else []
+        """The learning rate the run trains at (:meth:`run_lr`, when known) and every knob's base,
+        as ``"lr 0.00175, lr factor 17.51"``: the text of the sync's INFO log line and the start of
+        :class:`~hpx.ProgressBar`'s."""
+        parts = [f"lr {self.run_lr():.4g}"] if self.lr else []
         parts += [f"{self.label(name)} {base:.4g}" for name, base in self.bases.items()]
         return ", ".join(parts)

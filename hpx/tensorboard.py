@@ -54,8 +54,9 @@ class TensorBoard:
         applied = {_tag(rec, name): vals for name, vals in (rec.applied or {}).items()}
         if rec.lr:  # the learning rate the optimizer used, where the knob is a factor on it
             applied["lr"] = rec.lr
-        for name, vals in applied.items():
-            w.add_scalar(f"hpx/applied/{name}", sum(vals) / len(vals), t)
+        for name, vals in applied.items():  # the lr: the run's (for hpx.Forks yours, not the forks' mean)
+            shown = rec.run_lr() if name == "lr" else None
+            w.add_scalar(f"hpx/applied/{name}", sum(vals) / len(vals) if shown is None else shown, t)
             w.add_scalar(f"hpx/applied/{name}/min", min(vals), t)
             w.add_scalar(f"hpx/applied/{name}/max", max(vals), t)
         finite = [s for s in rec.scores if math.isfinite(s)]

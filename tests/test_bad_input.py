@@ -228,7 +228,7 @@ RECIPE = [
     Case("autolr total_steps 0", lambda: _auto(total_steps=0), hpx.ConfigError,
          ("total_steps must be an integer >= 1", "(got 0)")),
     Case("autolr controller setting", lambda: _auto(meta_lr=0.1), hpx.ConfigError,
-         ("meta_lr belong to hpx.search.HDET", "search=hpx.search.HDET")),
+         ("autolr sets its own search and sync schedule, so it takes no meta_lr", "search=hpx.search.HDET")),
     Case("autolr probe not iterable", lambda: _auto(probe=3), hpx.ConfigError,
          ("probe must be an iterable of batches", "int")),
     Case("autolr schedule", lambda: _auto(schedule=3), hpx.ConfigError,
@@ -379,7 +379,12 @@ RECIPE_MORE = [
     Case("autolr span str", lambda: _auto(span="2"), hpx.ConfigError,
          ("span must be a number > 1", "(got '2')")),
     Case("autolr sync_every", lambda: _auto(sync_every=10), hpx.ConfigError,
-         ("sync_every belong to hpx.search.HDET", "search=hpx.search.HDET")),
+         ("so it takes no sync_every", "search=hpx.search.HDET")),
+    Case("autolr schedule of another optimizer", lambda: _auto(
+        optimizer=torch.optim.SGD(_model().parameters(), lr=3e-4), schedule=torch.optim.lr_scheduler.LambdaLR(
+            torch.optim.SGD(_model().parameters(), lr=0.1), lambda t: 1.0)), hpx.ConfigError,
+         ("schedule is built on another optimizer, whose peak learning rates [0.1] are not optimizer's",
+          "[0.0003]", "build the scheduler on the optimizer you pass")),
     Case("autolr unknown setting", lambda: _auto(histroy_file="h.jsonl"), hpx.ConfigError,
          ("unknown setting 'histroy_file'", "history_file")),
 ]

@@ -302,10 +302,10 @@ def _counting(name: str) -> Iterator[list[int]]:
 
 
 @contextlib.contextmanager
-def _captured_log() -> Iterator[list[str]]:
-    """Messages of hpx's log records (warnings and up) while the block runs."""
+def _captured_log(level: int = logging.WARNING) -> Iterator[list[str]]:
+    """Messages of hpx's log records (``level`` and up) while the block runs."""
     messages: list[str] = []
-    handler = logging.Handler(logging.WARNING)
+    handler = logging.Handler(level)
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
     logger = logging.getLogger("hpx")
     logger.addHandler(handler)
@@ -505,6 +505,12 @@ def _world4(rank: int, world_size: int) -> dict:
     out["disagree"] = _disagreements(backend)
     out["uneven"] = _uneven_steps(backend)
     out["seeds"] = _seeds(backend)
+    logger, was = logging.getLogger("hpx"), logging.getLogger("hpx").level
+    logger.setLevel(logging.INFO)
+    with _captured_log(logging.INFO) as lines:
+        _train_autolr(backend)
+    logger.setLevel(was)
+    out["sync_lines"] = len([m for m in lines if m.startswith("sync at step")])
     model = DDP(_Net())
     hpx.Engine(model, _optimizer, _knobs(0.3), backend=backend, replicas=1)
     out["engine_prepared"] = bool(getattr(model, "_hpx_finite_mean", False))
@@ -852,3 +858,9 @@ def test_a_rank_that_trains_while_the_others_load_a_checkpoint_fails_clearly(ran
     for r in (0, 2, 3):
         got = ranks[r]["uneven"]["no_load"]
         assert "loading a checkpoint at step 0, another rank was at a training step" in got
+
+
+def test_the_sync_log_line_is_written_once_not_once_per_rank(ranks):
+    """One INFO line per sync from rank 0 (every rank wrote it: four copies under torchrun)."""
+    assert ranks[0]["sync_lines"] == len(ranks[0]["autolr"]["history"]) > 0
+    assert all(r["sync_lines"] == 0 for r in ranks[1:])

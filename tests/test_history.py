@@ -225,3 +225,40 @@ def test_history_file_after_a_resume_holds_one_line_per_sync(tmp_path, digits):
 def test_history_limit_must_be_positive():
     with pytest.raises(hpx.ConfigError, match="history_limit"):
         _hist_engine(history_limit=0)
+
+
+def test_a_fresh_run_starts_its_history_file_anew(tmp_path, digits):
+    """A second run with the same history_file wrote after the first one's lines, so the report and
+    the plot mixed two runs; a fresh run starts the file, a resumed one adds to it (above)."""
+    from tests._digits import data
+
+    batches = data(digits, 12)
+    log = tmp_path / "h.jsonl"
+    _hist_run(_hist_engine(history_file=str(log)), batches, 8)
+    _hist_run(_hist_engine(history_file=str(log)), batches, 6)
+    assert [r.step for r in hpx.load_history(log)] == [2, 4, 6]
+
+
+def test_a_forks_record_shows_your_runs_lr_not_the_forks_mean(forks_history, tmp_path):
+    """The INFO line, the progress bar and TensorBoard's hpx/applied/lr read your run's learning rate
+    (they read the mean over the forks, which climbed while your run stayed)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    yours = [0.003, 0.003, 0.03]
+    assert [r.run_lr() for r in forks_history] == pytest.approx(yours, rel=1e-4)
+    assert forks_history[0].summary().startswith("lr 0.003,")
+    board = hpx.TensorBoard(tmp_path / "tb")
+    for r in forks_history:
+        board(r)
+    board.close()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("hpx/applied/lr")] == pytest.approx(yours, rel=1e-4)
+
+
+def test_a_plot_path_without_a_suffix_is_returned_as_written(history, tmp_path, capsys):
+    assert hpx.plot_history(history, tmp_path / "bare") == tmp_path / "bare.png"
+    assert (tmp_path / "bare.png").exists()
+    empty = hpx.save_history([], tmp_path / "empty.json")
+    assert main(["report", str(empty), "--plot", str(tmp_path / "e.png")]) == 2
+    assert "hpx: no plot: history is empty" in capsys.readouterr().err

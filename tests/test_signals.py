@@ -218,3 +218,16 @@ def test_one_batch_given_as_the_probe_is_named_with_the_fix(digits):
     hpx.ProbeStream([one])
     hpx.ProbeStream([torch.zeros(4, 16, dtype=torch.long), torch.ones(4, 16, dtype=torch.long)])
     hpx.ProbeStream([torch.zeros(4, 16, dtype=torch.long), torch.ones(4, 12, dtype=torch.long)])
+
+
+def test_a_probe_stream_over_a_dataloader_leaves_the_global_random_stream_alone():
+    """A DataLoader's iterator draws its seed from the global stream (shuffle or not): reading the
+    probe moved your run's stream, so its dropout masks and shuffles depended on the probe's type."""
+    x = torch.randn(64, 8)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x[:, 0]), batch_size=16,
+                                         shuffle=True)
+    stream = hpx.ProbeStream(loader, batches=3)
+    state = torch.random.get_rng_state()
+    for _ in range(5):  # past the end of an epoch: a new iterator
+        stream._next()
+    assert torch.equal(torch.random.get_rng_state(), state)
