@@ -343,8 +343,10 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
         own = {id(p) for p in model.parameters()}
         foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
         if foreign:
-            problems.append(f"the optimizer holds {foreign} parameter(s) that are not the model's: build it "
-                            "on model.parameters()")
+            problems.append(f"the optimizer holds {foreign} parameter(s) that are not the model's: every "
+                            "fork copies the model, so a parameter outside it would be trained by every fork "
+                            "at once; register it on the model (or wrap the model and the loss module in one "
+                            "nn.Module) and build the optimizer on model.parameters()")
         problems += _checks.closure_problems(optimizer)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) or any(
             type(p).__name__ == "DTensor" for p in model.parameters()):
@@ -380,7 +382,8 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
     ms = list(multiples) if isinstance(multiples, (list, tuple)) else None
     if not ms or not all(isinstance(m, Real) and not isinstance(m, bool) and 0 < m < math.inf for m in ms) \
             or 1.0 not in ms or len(set(ms)) != len(ms):
-        problems.append(f"multiples must be distinct numbers > 0, one of them 1 (your run), e.g. "
+        kind = "" if ms is not None else "a tuple or list of "
+        problems.append(f"multiples must be {kind}distinct numbers > 0, one of them 1 (your run), e.g. "
                         f"(0.1, 1, 10) (got {multiples!r})")
     cs = list(cuts) if isinstance(cuts, (list, tuple)) else None
     ok = cs is not None and all(isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[0], Real)

@@ -14,8 +14,18 @@ from hpx.sync_record import SyncRecord
 __all__ = ["format_history", "load_history", "plot_history", "save_history"]
 
 
+def _records_problem(history: object, who: str) -> None:
+    """A history that is not a sequence of records: the engine or Forks itself (``.history``
+    holds them), or a file's path (:func:`load_history` reads it)."""
+    if hasattr(history, "history") and not isinstance(history, (list, tuple)):
+        raise TypeError(f"{who} takes the records, not the {type(history).__name__}: pass its .history")
+    if isinstance(history, (str, Path)):
+        raise TypeError(f"{who} takes the records, not a path: pass hpx.load_history({str(history)!r})")
+
+
 def save_history(history: Sequence[SyncRecord], path: str | Path) -> Path:
     """Write the records as JSON (NaN scores as ``null``)."""
+    _records_problem(history, "save_history")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [asdict(r) for r in history]
@@ -170,6 +180,7 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
 
     Needs matplotlib (``pip install 'hpx-hdet[plot]'``).
     """
+    _records_problem(history, "plot_history")
     try:
         import matplotlib
 

@@ -474,6 +474,7 @@ def test_converge_before_the_end_decides_and_steps_past_it_warn_once(caplog):
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"multiples": (0.1, 10.0)}, r"one of them 1 \(your run\)"),
     ({"multiples": (1.0, 1.0, 3.0)}, "multiples must be distinct"),
+    ({"multiples": iter((0.1, 1.0, 10.0))}, "multiples must be a tuple or list of distinct numbers"),
     ({"cuts": ((0.5, 2), (0.2, 3))}, "shares rising"),
     ({"cuts": ((0.1, 5),)}, "keeps 5 of the 5 forks"),
     ({"multiples": (0.1, 1.0, 10.0)}, r"cuts=\[\(0.1, 3\), \(0.25, 2\)\] keeps 3 of the 3 forks: give cuts="),

@@ -262,3 +262,13 @@ def test_a_plot_path_without_a_suffix_is_returned_as_written(history, tmp_path, 
     empty = hpx.save_history([], tmp_path / "empty.json")
     assert main(["report", str(empty), "--plot", str(tmp_path / "e.png")]) == 2
     assert "hpx: no plot: history is empty" in capsys.readouterr().err
+
+
+def test_history_functions_given_the_run_or_a_path_say_what_to_pass(tmp_path, forks_history):
+    class Run:
+        history = forks_history
+
+    with pytest.raises(TypeError, match=r"save_history takes the records, not the Run: pass its \.history"):
+        hpx.save_history(Run(), tmp_path / "h.json")
+    with pytest.raises(TypeError, match=r"plot_history takes the records, not a path: pass hpx\.load_hist"):
+        hpx.plot_history("forks.json", tmp_path / "x.png")
