@@ -218,8 +218,9 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
         if _log_scale(shown):  # never when a replica sits at 0: it would vanish from a log axis
             ax.set_yscale("log")
     ax = axes[-1]
+    names_span = None
     if forks:  # every fork's probe loss at each decision, named, and your run's
-        _plot_fork_scores(ax, history)
+        names_span = _plot_fork_scores(ax, history)
         series = {}
     else:
         series = _score_series(history)
@@ -231,6 +232,9 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
     shown += [s for r in history for s in r.scores if forks and math.isfinite(s)]
     if _log_scale(shown):  # early scores dwarf the late ones
         ax.set_yscale("log")
+    if names_span is not None:  # room for every fork's name
+        lo, hi = ax.get_ylim()
+        ax.set_ylim(min(lo, names_span[0]), max(hi, names_span[1]))
     ax.set_ylabel("probe loss" if forks else "score")
     ax.set_xlabel("step")
     ax.legend(fontsize=8)
@@ -245,14 +249,51 @@ def plot_history(history: Sequence[SyncRecord], path: str | Path, title: str | N
     return path if path.suffix else path.with_suffix(".png")  # matplotlib adds it to a bare name
 
 
-def _plot_fork_scores(ax: object, history: Sequence[SyncRecord]) -> None:
+def _spread(ys: list[float], gap: float) -> list[float]:
+    """Positions for labels at the ascending ``ys``, at least ``gap`` apart: each run of labels too
+    close together is centred on its points' mean, then pushed apart upward where runs meet."""
+    groups: list[list[float]] = []
+    for y in ys:
+        if groups and y - groups[-1][-1] < gap:
+            groups[-1].append(y)
+        else:
+            groups.append([y])
+    out: list[float] = []
+    for g in groups:
+        mid = sum(g) / len(g)
+        out += [mid + (k - (len(g) - 1) / 2) * gap for k in range(len(g))]
+    for i in range(1, len(out)):
+        out[i] = max(out[i], out[i - 1] + gap)
+    return [y if abs(y - y0) > 1e-12 else y0 for y, y0 in zip(out, ys)]
+
+
+def _plot_fork_scores(ax: object, history: Sequence[SyncRecord]) -> tuple[float, float] | None:
     """The score panel of a :class:`hpx.Forks` history: each fork's probe loss at each decision as
-    a point named by its setting, and your run's as a line."""
+    a point named by its setting (names of close points stacked a twentieth of the panel apart, so
+    they stay readable), and your run's as a line with a marker at each decision."""
+    finite = [s for r in history for s in r.scores if math.isfinite(s)]
+    log = _log_scale(finite)  # the panel's own choice of scale (below): space the names in it
+
+    def f(v: float) -> float:
+        return math.log10(v) if log else v
+
+    lo, hi = (min(map(f, finite)), max(map(f, finite))) if finite else (0.0, 1.0)
+    gap = (hi - lo) / 20 or 1e-3
+    span = (max(r.step for r in history) - min(r.step for r in history)) or 1
+    shown: list[float] = []
     for r in history:
-        for name, s in zip(_fork_labels(r), r.scores):
-            if math.isfinite(s):
-                ax.plot([r.step], [s], ".", color="0.5", ms=4)  # type: ignore[attr-defined]
-                ax.annotate(name, (r.step, s), fontsize=6, xytext=(3, 0),  # type: ignore[attr-defined]
-                            textcoords="offset points", va="center", color="0.35")
-    ax.plot([r.step for r in history], [r.scores[0] for r in history], "-", color="C1",  # type: ignore[attr-defined]
+        pts = sorted(((n, s) for n, s in zip(_fork_labels(r), r.scores) if math.isfinite(s)),
+                     key=lambda p: p[1])
+        ys = _spread([f(s) for _, s in pts], gap)
+        shown += ys
+        for (name, s), y in zip(pts, ys):
+            ax.plot([r.step], [s], ".", color="0.5", ms=4)  # type: ignore[attr-defined]
+            ax.annotate(name, (r.step, s), xytext=(r.step + 0.012 * span, 10 ** y if log else y),  # type: ignore[attr-defined]
+                        textcoords="data", fontsize=6, va="center", color="0.35",
+                        arrowprops={"arrowstyle": "-", "lw": 0.3, "color": "0.7"} if y != f(s) else None)
+    ax.plot([r.step for r in history], [r.scores[0] for r in history], "-o", ms=3, color="C1",  # type: ignore[attr-defined]
             label="your run")
+    if not shown:
+        return None
+    ends = (min(shown) - gap, max(shown) + gap)  # the names' extent, for the panel's limits
+    return (10 ** ends[0], 10 ** ends[1]) if log else ends

@@ -272,3 +272,26 @@ def test_history_functions_given_the_run_or_a_path_say_what_to_pass(tmp_path, fo
         hpx.save_history(Run(), tmp_path / "h.json")
     with pytest.raises(TypeError, match=r"plot_history takes the records, not a path: pass hpx\.load_hist"):
         hpx.plot_history("forks.json", tmp_path / "x.png")
+
+
+def test_fork_names_that_would_overlap_are_spread_and_a_single_decision_is_drawn(forks_history, tmp_path,
+                                                                                monkeypatch):
+    """Five forks scoring alike at a cut wrote their names over each other; they are stacked a
+    twentieth of the panel apart, around their points, and stay inside the panel. A history of one
+    decision (a run stopped after its first cut) drew no line for your run: it has a marker."""
+    import matplotlib.pyplot as plt
+
+    from hpx.history import _spread
+
+    ys = [0.0, 0.001, 0.002, 1.0]
+    out = _spread(ys, 0.05)
+    assert all(out[i + 1] - out[i] >= 0.05 - 1e-12 for i in range(len(out) - 1))
+    assert out[3] == 1.0 and abs(sum(out[:3]) / 3 - 0.001) < 1e-12  # a crowded run is centred on its points
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    hpx.plot_history(forks_history[:1], tmp_path / "one.png")
+    score_ax = figures[0].axes[-1]
+    yours = next(line for line in score_ax.get_lines() if line.get_label() == "your run")
+    assert yours.get_marker() == "o"
+    lo, hi = score_ax.get_ylim()
+    assert all(lo <= t.get_position()[1] <= hi for t in score_ax.texts)
