@@ -249,6 +249,18 @@ def _directory_problems(root: Path, who: str = "load_checkpoint") -> list[str]:
     return []
 
 
+def _missing(root: Path, rank: int) -> str:
+    """What this rank's newest step folders lack, for the message that nothing could be loaded."""
+    if not root.is_dir():
+        return ""
+    lacks = []
+    for d in sorted((d for d in root.iterdir() if _STEP_DIR.match(d.name)), reverse=True)[:3]:
+        names = [f"rank-{rank:05d}.pt", f"rank-{rank:05d}.pt.sha256"]
+        gone = [n for n in names if not (d / n).is_file()]
+        lacks.append(f"{d.name} lacks {' and '.join(gone)}" if gone else f"{d.name} has this rank's files")
+    return f"; on rank {rank}: {', '.join(lacks)}" if lacks else ""
+
+
 def _fresh_start(root: Path, engine: Engine, required: bool) -> None:
     """Say why nothing was loaded when step folders exist on some rank (every rank says the
     same, so no rank goes on alone), or raise when ``required``."""
@@ -261,7 +273,7 @@ def _fresh_start(root: Path, engine: Engine, required: bool) -> None:
                                "save_checkpoint has not written there yet"])
         return
     why = (f"{root} holds step folders, but no step is complete and intact on every rank (files "
-           "damaged, deleted, or saves interrupted on different steps; see the warnings above)")
+           f"damaged, deleted, or saves interrupted on different steps{_missing(root, procs.rank)})")
     if required:
         raise ConfigError([f"{why}: nothing was loaded (load_checkpoint(..., required=True))"])
     log.warning("%s: starting fresh from step 0", why)

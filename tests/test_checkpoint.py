@@ -321,3 +321,13 @@ def test_a_run_restarted_fresh_over_damaged_steps_keeps_its_own_saves(tmp_path):
     assert (tmp_path / "step-000000015" / "rank-00000.pt").is_file()  # not this run's to prune
     again = _engine()
     assert hpx.load_checkpoint(tmp_path, again) == 3  # a second crash resumes the new run's save
+
+
+def test_checkpoints_missing_a_file_everywhere_name_what_each_step_lacks(tmp_path):
+    """Every step's digest deleted: nothing is damaged (no warning precedes it), so the message says
+    what the steps lack (it said 'see the warnings above', and none had been printed)."""
+    _saved_run(tmp_path)
+    for f in tmp_path.glob("step-*/rank-*.pt.sha256"):
+        f.unlink()
+    with pytest.raises(hpx.ConfigError, match=r"on rank 0: step-\d+ lacks rank-00000\.pt\.sha256"):
+        hpx.load_checkpoint(tmp_path, _engine(), required=True)
