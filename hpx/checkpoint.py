@@ -293,6 +293,10 @@ def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: 
         if bool((oks > 0).all()):
             break
         excluded.add(step)
+    newer = [d.name for d in root.iterdir() if (m := _STEP_DIR.match(d.name)) and int(m.group(1)) > step]
+    if newer and rank == 0:  # a save interrupted, or a file lost: say which step is resumed instead
+        log.warning("%s: %s not complete and intact on every rank; resuming from step %d", root,
+                    ", ".join(sorted(newer)), step)
     state, problems = _read(path)
     if state is not None:
         if state.get("format") != _FORMAT:

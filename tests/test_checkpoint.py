@@ -331,3 +331,14 @@ def test_checkpoints_missing_a_file_everywhere_name_what_each_step_lacks(tmp_pat
         f.unlink()
     with pytest.raises(hpx.ConfigError, match=r"on rank 0: step-\d+ lacks rank-00000\.pt\.sha256"):
         hpx.load_checkpoint(tmp_path, _engine(), required=True)
+
+
+def test_a_newest_step_missing_a_file_is_skipped_with_a_warning_naming_it(tmp_path, caplog):
+    _saved_run(tmp_path)
+    steps = sorted(tmp_path.glob("step-*"))
+    next(steps[-1].glob("rank-*.pt.sha256")).unlink()
+    with caplog.at_level(logging.WARNING, logger="hpx"):
+        step = hpx.load_checkpoint(tmp_path, _engine())
+    assert step == int(steps[-2].name[5:])
+    assert any(f"{steps[-1].name} not complete and intact on every rank; resuming from step {step}"
+               in r.getMessage() for r in caplog.records)
