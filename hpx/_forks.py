@@ -249,7 +249,7 @@ def _forward_backward(f: _Fork, loss_fn: LossFn, batch: Any, scale: float, scale
     return loss.detach().reshape(())
 
 
-def _unreached(trained: list[_Fork], start: _Fork) -> list[str]:
+def _unreached(trained: list[_Fork], start: _Fork, how: str = "") -> list[str]:
     """Forks other than your run whose backward gave none of their parameters a gradient: a loss_fn
     that computes the loss with your model object instead of the model it is given (``rep.model``)
     trains your run once per fork and the copies never (checked at the first step)."""
@@ -260,9 +260,10 @@ def _unreached(trained: list[_Fork], start: _Fork) -> list[str]:
     for f in trained:  # nothing is stepped: the gradients your model took for the others go
         f.optimizer.zero_grad(set_to_none=True)
     start.optimizer.zero_grad(set_to_none=True)
-    return [f"the loss of the fork at {bad[0].factor:g}x reached none of its parameters: loss_fn must "
-            "compute the loss with the model it is given (lambda rep, batch: loss(rep.model(batch[0]), "
-            "batch[1])), not with your model object; every fork is a copy of it"]
+    how = how or ("loss_fn must compute the loss with the model it is given (lambda rep, batch: "
+                  "loss(rep.model(batch[0]), batch[1])), not with your model object")
+    return [f"the loss of the fork at {bad[0].factor:g}x reached none of its parameters: {how}; every fork "
+            "is a copy of your model"]
 
 
 def _stepped_apart(forks: list[_Fork]) -> list[str]:

@@ -83,3 +83,19 @@ def _load_forks_state(forks: Any, saved: dict[str, Any]) -> None:
     saved["forks"][0].update(model=start.model.state_dict(), optimizer=start.optimizer.state_dict(),
                              scheduler=sched)
     forks.load_state_dict(saved)
+
+
+_COMPILED = ("the framework's step ran your module, not the copy: a forward or training_step compiled in "
+             "place (torch.compile(module) given to Lightning, model.forward = torch.compile(model.forward)) "
+             "or wrapped by a function that closes over your module keeps calling it from every copy; "
+             "train it uncompiled, or compile inside the module's own code")
+
+
+def _forks_reached(forks: Any, trained: list[Any]) -> None:
+    """At the first step, that each fork's step trained that fork (see :func:`hpx._forks._unreached`)."""
+    if forks.step_count == 0:
+        from hpx._forks import _unreached
+        from hpx.errors import ConfigError
+
+        ConfigError.check(_unreached(trained, forks._forks[0], _COMPILED))
+

@@ -46,6 +46,7 @@ processes, at the same cost (4 forward passes over the probe per sync).
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -62,6 +63,7 @@ from hpx.integrations import (
     _FORKS_SETTINGS,
     _callback_problems,
     _fork_metrics,
+    _forks_reached,
     _forks_settings,
     _forks_state,
     _load_forks_state,
@@ -128,7 +130,11 @@ class AutoLR(pl.Callback):
             from hpx.backends import TorchDistributed
 
             backend = TorchDistributed()
-        total = self.total_steps if self.total_steps is not None else int(trainer.estimated_stepping_batches)
+        total = self.total_steps if self.total_steps is not None else trainer.estimated_stepping_batches
+        if not math.isfinite(float(total)):
+            raise ConfigError(["the fit's length is unknown (max_epochs=-1, or an infinite DataLoader): "
+                               "AutoLR plans its search over the run; give max_steps (or total_steps=...)"])
+        total = int(total)
         self._module, self._trainer = pl_module, trainer
         model = trainer.strategy.model if world > 1 else pl_module
         self.engine = hpx.autolr(model, trainer.optimizers[0], total_steps=total, schedule=schedule,
@@ -289,6 +295,8 @@ class ForksCallback(pl.Callback):
         import hpx
 
         problems = _forks_problems(trainer, pl_module)
+        if problems:  # the run's length may be among them: nothing below can be built
+            raise ConfigError(problems)
         if trainer.global_step > 0 and self._pending is None and self.forks is None:
             problems.append(f"resuming at step {trainer.global_step} from a checkpoint that holds no hpx "
                             "state (saved without ForksCallback?): the forks would start mid-run on a "
@@ -331,8 +339,9 @@ class ForksCallback(pl.Callback):
         batch, batch_idx = self._batch
         device = _device(pl_module)
         after = _rng_get(device)
+        trained = self.forks._open()
         try:
-            for f in self.forks._open():
+            for f in trained:
                 if f.model is not pl_module:
                     _clocked(f.model, trainer)
                 _rng_set(self._before, device)
@@ -347,6 +356,7 @@ class ForksCallback(pl.Callback):
                 (loss / trainer.accumulate_grad_batches).backward()
         finally:
             _rng_set(after, device)
+        _forks_reached(self.forks, trained)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any,
                            batch: Any, batch_idx: int) -> None:
@@ -491,6 +501,20 @@ def _forks_problems(trainer: pl.Trainer, module: pl.LightningModule) -> list[str
     if not isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy)):
         problems.append(f"ForksCallback keeps a whole copy of the module per fork on every process; it runs "
                         f"on one device or under DDP, not under {type(trainer.strategy).__name__}")
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
+
+    callbacks = trainer.callbacks
+    if any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
+        problems.append("StochasticWeightAveraging writes your run's weight average over the forks' winner "
+                        "at the fit's end (and swaps in its own schedule the forks do not follow): leave it "
+                        "out, or average the winner yourself after the fit")
+    if not math.isfinite(float(trainer.estimated_stepping_batches)):
+        problems.append("the fit's length is unknown (max_epochs=-1, or an infinite DataLoader): "
+                        "ForksCallback places its cuts on the run's length; give max_steps (or a finite "
+                        "max_epochs)")
+    elif any(isinstance(c, GradientAccumulationScheduler) for c in callbacks) and trainer.max_steps < 0:
+        problems.append("GradientAccumulationScheduler changes the steps per epoch, so the fit's length in "
+                        "optimizer steps is not known from max_epochs: give max_steps")
     if trainer.gradient_clip_val and trainer.gradient_clip_algorithm not in (None, "norm"):
         algorithm = getattr(trainer.gradient_clip_algorithm, "value", trainer.gradient_clip_algorithm)
         problems.append(f"ForksCallback clips the forks by norm; gradient_clip_algorithm={algorithm!r} is "

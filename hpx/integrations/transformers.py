@@ -72,6 +72,7 @@ from hpx.integrations import (
     _FORKS_SETTINGS,
     _callback_problems,
     _fork_metrics,
+    _forks_reached,
     _forks_settings,
     _forks_state,
     _load_forks_state,
@@ -300,8 +301,11 @@ class ForksTrainer(Trainer):
         step, forks = super().training_step, self.forks
         if forks is None:  # not training: the Trainer's own step
             return step(model, inputs, *more)
-        calls = [lambda m=f.model: step(m, inputs, *more) for f in forks._open()]
-        return common_draws(_device(self.model), [lambda: step(model, inputs, *more), *calls])[0]
+        trained = forks._open()
+        calls = [lambda m=f.model: step(m, inputs, *more) for f in trained]
+        loss = common_draws(_device(self.model), [lambda: step(model, inputs, *more), *calls])[0]
+        _forks_reached(forks, trained)
+        return loss
 
     def _begin_forks(self, state: Any) -> None:
         import hpx
@@ -318,6 +322,11 @@ class ForksTrainer(Trainer):
             problems.append("load_best_model_at_end=True would replace the forks' winner with your run's "
                             "best checkpoint after training: leave it False (the winner is in trainer.model "
                             "at the end; evaluate it there)")
+        if getattr(self.args, "torch_compile", False) and any(
+                isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()):
+            problems.append("torch_compile=True with dropout: the Trainer runs your run compiled and hpx the "
+                            "forks' copies eagerly, and compiled dropout draws other masks than eager, so "
+                            "the forks would not see your run's random numbers: set torch_compile=False")
         if self.args.n_gpu > 1:
             problems.append(f"ForksTrainer does not run under torch.nn.DataParallel ({self.args.n_gpu} GPUs "
                             "in one process): launch one process per GPU with torchrun")

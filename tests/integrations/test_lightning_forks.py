@@ -298,3 +298,46 @@ def test_a_training_step_that_reads_the_trainer_is_refused_in_a_forks_words(tmp_
     cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
     with pytest.raises(ConfigError, match="in a fork's copy of your module, which has no trainer"):
         _fit(tmp_path / "f", ReadsTrainer(lr=0.001, steps=20), 20, [cb])
+
+
+class _Wrapped(Dropped):
+    """A training_step replaced on the instance by a function that closes over the module's own
+    (what Lightning does with torch.compile(module)): every copy would run this module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        own = self.training_step
+        self.training_step = lambda batch, batch_idx: own(batch, batch_idx)
+
+
+def _trainer(tmp_path, callbacks, **kw):
+    return pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, enable_checkpointing=False, devices=1, callbacks=callbacks,
+                      **kw)
+
+
+@pytest.mark.parametrize("case", ["swa", "unbounded", "accumulation-scheduler", "wrapped"])
+def test_what_would_train_something_other_than_the_winner_is_refused_before_a_step(tmp_path, case):
+    """StochasticWeightAveraging wrote your run's average over the winner; max_epochs=-1 crashed with
+    an OverflowError; a GradientAccumulationScheduler without max_steps put the cuts at a quarter and
+    a half of the run; a training_step closing over your module (torch.compile(module)) trained your
+    run once per fork and no copy."""
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    module = _Wrapped() if case == "wrapped" else Dropped(lr=0.001, steps=40)
+    before = _params(module)
+    kw = {"max_steps": 40}
+    words = {"swa": "StochasticWeightAveraging writes your run's weight average",
+             "unbounded": "the fit's length is unknown", "accumulation-scheduler": "give max_steps",
+             "wrapped": "reached none of its parameters: the framework's step ran your module"}[case]
+    if case == "swa":
+        swa = pl.callbacks.StochasticWeightAveraging(swa_lrs=0.01)
+        kw = {"max_steps": 40, "max_epochs": 2, "callbacks": [cb, swa]}
+    elif case == "unbounded":
+        kw = {"max_epochs": -1, "max_time": {"seconds": 30}}
+    elif case == "accumulation-scheduler":
+        kw = {"max_epochs": 2, "callbacks": [cb, pl.callbacks.GradientAccumulationScheduler({0: 1, 1: 2})]}
+    trainer = _trainer(tmp_path, kw.pop("callbacks", [cb]), **kw)
+    with pytest.raises(ConfigError, match=words):
+        trainer.fit(module, loader(32))
+    if case != "wrapped":  # refused before any step (the wrapped one at its first)
+        assert _same(_params(module), before)

@@ -3,6 +3,7 @@ plain Trainer runs."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import pytest
@@ -198,3 +199,23 @@ def test_training_stopped_early_decides_where_it_stops_with_the_winners_lr_in_yo
     assert t.state.global_step == 20 and f.decided and f.factor == 16.0
     assert [r.phase for r in f.history][-1] == "end" and f.history[-1].step == 20
     assert t.optimizer.param_groups[0]["lr"] == 16e-4
+
+
+def test_a_forward_that_closes_over_your_model_is_refused_at_the_first_step(tmp_path):
+    """model.forward = torch.compile(model.forward) (here: a closure, which is what it leaves on the
+    model): every copy's step ran your model, so no fork trained and yours took every fork's gradient."""
+    model = Tiny()
+    own = model.forward
+    model.forward = functools.wraps(own)(lambda *a, **k: own(*a, **k))
+    t = ForksTrainer(model=model, args=forks_args(tmp_path, 20, 1e-3), train_dataset=train_set(),
+                     probe=probe(), forks={"multiples": POW2})
+    with pytest.raises(hpx.ConfigError, match="the framework's step ran your module, not the copy"):
+        t.train()
+
+
+def test_torch_compile_with_dropout_is_refused_before_a_step(tmp_path):
+    t = _forks(tmp_path, 20, 1e-3, dropout=0.1, torch_compile=True)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    with pytest.raises(hpx.ConfigError, match="torch_compile=True with dropout"):
+        t.train()
+    assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters()))
