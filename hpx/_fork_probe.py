@@ -7,7 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -17,7 +17,7 @@ from hpx._forks import _device, _Fork, _rng_get, _rng_set, _unreached
 from hpx._step import _split
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError
-from hpx.signals import LossFn, _leaves
+from hpx.signals import LossFn, _all_leaves, _leaves
 
 log = logging.getLogger("hpx")
 
@@ -162,7 +162,8 @@ def _one_example_problems(f: _Fork, fn: LossFn, batch: Any, rows: int) -> list[s
     """Why the end's test could not evaluate the probe's mean loss one example at a time (found at
     the first probe pass, not at the run's end)."""
     fix = "return one loss per example (reduction='none') through loss_fn="
-    odd = [w for w, x in _objects(batch, "batch") if not isinstance(x, (int, float, bool, type(None)))]
+    odd = [w for w, x in _all_leaves(batch, "batch")
+           if not torch.is_tensor(x) and not isinstance(x, (int, float, bool, type(None)))]
     if odd:
         return [f"{odd[0]} of a probe batch is not a tensor, and hpx cannot cut it into examples for the "
                 f"end's test (which scores a mean loss one example at a time): {fix}"]
@@ -177,18 +178,6 @@ def _one_example_problems(f: _Fork, fn: LossFn, batch: Any, rows: int) -> list[s
                 f".squeeze() that drops the batch dimension?), and the end's test scores a mean loss one "
                 f"example at a time: {fix}"]
     return []
-
-
-def _objects(x: Any, where: str) -> Iterator[tuple[str, Any]]:
-    """Every leaf of a nested batch that is not a tensor, with where it sits."""
-    if isinstance(x, (list, tuple)):
-        for i, v in enumerate(x):
-            yield from _objects(v, f"{where}[{i}]")
-    elif isinstance(x, dict):
-        for k, v in x.items():
-            yield from _objects(v, f"{where}[{k!r}]")
-    elif not torch.is_tensor(x):
-        yield where, x
 
 
 def _scalar_or_rows(v: Any) -> torch.Tensor:

@@ -215,14 +215,19 @@ def _tensors(x: Any) -> list[torch.Tensor]:
 
 def _leaves(x: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor in a nested batch (tuples, lists, dicts), with where it sits."""
-    if torch.is_tensor(x):
-        yield where, x
-    elif isinstance(x, (list, tuple)):
+    return ((w, v) for w, v in _all_leaves(x, where) if torch.is_tensor(v))
+
+
+def _all_leaves(x: Any, where: str) -> Iterator[tuple[str, Any]]:
+    """Every leaf of a nested batch (tuples, lists, dicts), a tensor or not, with where it sits."""
+    if isinstance(x, (list, tuple)):
         for i, v in enumerate(x):
-            yield from _leaves(v, f"{where}[{i}]")
+            yield from _all_leaves(v, f"{where}[{i}]")
     elif isinstance(x, dict):
         for k, v in x.items():
-            yield from _leaves(v, f"{where}[{k!r}]")
+            yield from _all_leaves(v, f"{where}[{k!r}]")
+    else:
+        yield where, x
 
 
 def _crc(batches: Any) -> int:
