@@ -22,7 +22,9 @@ def shown(v: Any) -> str:
         return f"a tensor of shape {tuple(v.shape)}"
     if isinstance(v, (tuple, list)) and any(torch.is_tensor(x) for x in v):
         return f"a {type(v).__name__} of {len(v)} items ({', '.join(type(x).__name__ for x in v[:4])})"
-    text = repr(v)
+    if isinstance(v, (torch.optim.Optimizer, torch.nn.Module)):  # their reprs run over many lines
+        return f"a {type(v).__name__}"
+    text = " ".join(repr(v).split())
     return f"{text[:60]}..." if len(text) > 60 else text
 
 
