@@ -135,3 +135,20 @@ def record_problems(loss: Any, replica: Any, n_local: int) -> list[str]:
 
 def check(problems: list[str]) -> None:
     ConfigError.check(problems)
+
+
+def unknown_problems(unknown: dict[str, Any], fn: Any) -> list[str]:
+    """Keyword arguments ``fn`` does not take, each with the nearest it does (``steps`` ->
+    ``total_steps``)."""
+    import difflib
+    import inspect
+
+    known = [n for n, p in inspect.signature(fn).parameters.items()
+             if p.kind is p.KEYWORD_ONLY or (p.kind is p.POSITIONAL_OR_KEYWORD and n != "self")]
+    out = []
+    for name in unknown:
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.7) or [n for n in known if name in n][:1]
+        hint = f": did you mean {near[0]}=?" if near else f" (it takes {', '.join(known)})"
+        out.append(f"unknown setting {name!r}{hint}")
+    return out
+

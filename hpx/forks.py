@@ -97,7 +97,7 @@ class Forks:
         model: your model (the fork at ``m = 1``; the others are copies of it).
         optimizer: your optimizer, built on ``model``'s parameters with the (peak) learning rates
             you would have used (or a ``factory(model) -> Optimizer``).
-        total_steps: the run's length in optimizer steps: the cuts are placed on it and the
+        total_steps: the run's length in optimizer steps (required): the cuts are placed on it and the
             final decision is made after its last step.
         schedule: the lr's shape: a torch ``LRScheduler`` built on ``optimizer`` (stepped by
             hpx, once per optimizer step of each fork: do not step it yourself), or ``f(step) ->
@@ -149,7 +149,7 @@ class Forks:
         model: torch.nn.Module,
         optimizer: Union[torch.optim.Optimizer, Callable[[torch.nn.Module], torch.optim.Optimizer]],
         *,
-        total_steps: int,
+        total_steps: int | None = None,  # required (None is refused, naming a misspelt one)
         probe: Iterable[Any],
         schedule: Callable[[int], float] | LRScheduler | None = None,
         loss_fn: LossFn | None = None,
@@ -160,6 +160,7 @@ class Forks:
         knobs: Sequence[Knob] = (),
         backend: Collective | None = None,
         on_sync: Callable[[SyncRecord], Any] | Sequence[Callable[[SyncRecord], Any]] = (),
+        **unknown: Any,
     ) -> None:
         self._t0 = time.perf_counter()
         if not isinstance(model, torch.nn.Module):
@@ -170,7 +171,7 @@ class Forks:
         callbacks = list(on_sync) if isinstance(on_sync, Sequence) else [on_sync]
         problems = _settings_problems(model, optimizer, total_steps, schedule, probe, loss_fn, multiples,
                                       cuts, cool, confidence) + _checks.backend_problems(backend)
-        problems += knobs_problems(knobs)
+        problems += knobs_problems(knobs) + _checks.unknown_problems(unknown, Forks.__init__)
         problems += [f"on_sync must be a function record -> None, or a list of them (got {on_sync!r})"
                      for _ in callbacks[:1] if not all(callable(c) for c in callbacks)]
         ConfigError.check(problems)
@@ -587,8 +588,7 @@ class Forks:
                               start.model, start.optimizer, start.scheduler)
 
     def _check_aligned(self, when: str) -> None:
-        """Nothing to check before ``hpx.load_checkpoint``: the forks' all-reduce pairs up each
-        step's gradients, and a rank behind the others blocks in it rather than mixing steps."""
+        """Nothing is checked before a load: every rank must make the same calls (README, Use)."""
 
     def __repr__(self) -> str:
         shown = [round(m, 3) for m in self.factors]

@@ -1157,3 +1157,14 @@ def test_a_probe_mean_the_end_could_not_take_apart_is_refused_before_the_first_s
                       loss_fn=lambda rep, b: F.mse_loss(rep.model(b["x"]).squeeze(-1), b["y"]))
     with pytest.raises(hpx.ConfigError, match=r"batch\['text'\]\[0\] of a probe batch is not a tensor"):
         forks.step(_loss, BATCHES[0])
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"steps": 20}, r"total_steps must be an integer .*unknown setting 'steps': did you mean total_steps=\?"),
+    ({"total_steps": 20, "confidense": 3}, r"unknown setting 'confidense': did you mean confidence=\?"),
+    ({"total_steps": 20, "foo": 1}, r"unknown setting 'foo' \(it takes model, optimizer, total_steps"),
+])
+def test_a_misspelt_setting_names_the_one_meant(kwargs, words):
+    """Python's 'unexpected keyword argument' (or a missing total_steps) named no setting to use."""
+    with pytest.raises(hpx.ConfigError, match=words):
+        hpx.Forks(_net(), lambda m: torch.optim.SGD(m.parameters(), lr=0.01), probe=PROBE, **kwargs)
