@@ -93,7 +93,9 @@ def format_history(history: Sequence[SyncRecord], every: int = 1) -> str:
         finite = [s for s in r.scores if not math.isnan(s)]
         best = f"{min(finite):11.4f}" if finite else f"{'nan':>11}"
         lr = (f"{_mean(r.lr):>12.5g}  " if r.lr else f"{'-':>12}  ") if with_lr else ""
-        lines.append(f"{r.step:>7}  " + lr + "  ".join(f"{r.bases[n]:>12.5g}" for n in names) + f"  {best}")
+        what = " (training loss)" if r.searched is False and finite else ""  # the search read no score
+        lines.append(f"{r.step:>7}  " + lr + "  ".join(f"{r.bases[n]:>12.5g}" for n in names) + f"  {best}"
+                     + what)
     return "\n".join(lines)
 
 

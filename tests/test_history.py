@@ -295,3 +295,12 @@ def test_fork_names_that_would_overlap_are_spread_and_a_single_decision_is_drawn
     assert yours.get_marker() == "o"
     lo, hi = score_ax.get_ylim()
     assert all(lo <= t.get_position()[1] <= hi for t in score_ax.texts)
+
+
+def test_the_report_marks_the_rows_whose_best_score_is_a_training_loss():
+    """While autolr's search does not act (hold), a record's scores are training losses: the report's
+    'best score' column switched meaning without a word (0.3496 at one step, 0.0385 at the next)."""
+    rec = hpx.SyncRecord(step=10, bases={"lr": 1.0}, values={"lr": [1.0]}, scores=[0.35], searched=True)
+    hold = dataclasses.replace(rec, step=11, scores=[0.04], searched=False)
+    rows = hpx.format_history([rec, hold]).splitlines()[1:]
+    assert not rows[0].endswith("(training loss)") and rows[1].endswith("0.0400 (training loss)")
