@@ -126,6 +126,18 @@ class EmaProbe:
         for e, s in zip(self._ema, states):
             torch._foreach_lerp_(e, [t.detach() for t in s], 1.0 - self.beta)
 
+    def state_dict(self) -> dict[str, Any]:
+        """The inner signal's state and the running averages: a resumed run scores as the
+        uninterrupted one."""
+        inner = getattr(self.inner, "state_dict", None)
+        return {"inner": inner() if callable(inner) else None,
+                "ema": None if self._ema is None else [[t.clone() for t in e] for e in self._ema]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("inner") is not None:
+            self.inner.load_state_dict(state["inner"])
+        self._ema = None if state["ema"] is None else [[t.clone() for t in e] for e in state["ema"]]
+
     @torch.no_grad()
     def measure(self, ctx: hpx.SyncContext) -> torch.Tensor:
         states = [float_state(r.model) for r in ctx.replicas]

@@ -6,6 +6,8 @@ first use and to build ``__all__``. Add a public name here and nowhere else.
 
 __version__: str
 
+from hpx import backends as backends
+from hpx import schedule as schedule
 from hpx import search as search
 from hpx.backends import Collective as Collective
 from hpx.backends import InProcess as InProcess

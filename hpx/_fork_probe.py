@@ -71,8 +71,8 @@ def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collectiv
     for f in forks:
         f.model.eval()
     out: list[list[torch.Tensor]] = [[] for _ in forks]
-    try:
-        with torch.no_grad():
+    try:  # in full precision, whether or not it runs inside your autocast (the first pass does)
+        with torch.no_grad(), torch.autocast(dev.type, enabled=False):
             for i, b in enumerate(probe):
                 rows, before = _rows(b), _layout(b) if first else None
                 for f, mine in zip(forks, out):
@@ -118,6 +118,20 @@ class _ModelState:
             log.warning("the model's forward changed %s in place while the probe was scored (an "
                         "Embedding(max_norm=...) renormalises its weight's rows): hpx cannot undo it, so "
                         "the run is no longer exactly plain training", changed[:3])
+
+
+def mean_score(parts: list[torch.Tensor], first: bool = False) -> float:
+    """A fork's probe loss from its losses per batch (scalars) or per example: their mean; ``inf``
+    when it is not finite (``nan`` stays on the ``first`` pass, which checks the loss)."""
+    if not parts:
+        raise ConfigError(["the probe yielded no batches: give a list of held-out batches (an "
+                           "exhausted generator cannot be iterated again)"])
+    if any(p.numel() > 1 for p in parts):  # losses per example
+        flat = torch.cat([p.reshape(-1) for p in parts])
+    else:
+        flat = torch.stack([p.reshape(()) for p in parts])
+    v = float(flat.mean())
+    return v if math.isfinite(v) or (first and math.isnan(v)) else math.inf
 
 
 def _layout(batch: Any) -> Any:

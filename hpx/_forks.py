@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+import random
+import sys
 from collections.abc import Callable, Iterable, Sequence, Sized
 from numbers import Integral, Real
 from typing import Any
@@ -28,7 +30,7 @@ class _Fork:
     values of the other knobs it trains with and, for an annealed copy, its ramp ``(first step,
     length)``."""
 
-    __slots__ = ("factor", "lost", "ramp", "replica", "scaled", "scheduler", "values")
+    __slots__ = ("factor", "lost", "ramp", "replica", "scaled", "scaler", "scheduler", "values")
 
     def __init__(self, factor: float, replica: Replica, scheduler: LRScheduler | None,
                  ramp: tuple[int, int] | None = None, values: dict[str, float] | None = None) -> None:
@@ -36,6 +38,7 @@ class _Fork:
         self.values: dict[str, float] = dict(values or {})
         self.lost = False  # non-finite at a cut: no longer trained (only your run is kept so)
         self.scaled = False  # the multiple is written into its optimizer and scheduler (your run, won)
+        self.scaler: Any = None  # its GradScaler (bind_scalers), or a saved one's state until then
         replica._values["lr"] = factor
         replica._values.update(self.values)
 
@@ -113,13 +116,30 @@ class _Fork:
                                f"scheduler, and copy.deepcopy failed ({type(e).__name__}: {e}): keep what "
                                "cannot be copied (a lock, an open file, a process handle) off the model, "
                                "or give it a __deepcopy__"]) from e
-        return _Fork(self.factor if factor is None else factor, Replica(index, model, opt), sched, ramp,
+        fork = _Fork(self.factor if factor is None else factor, Replica(index, model, opt), sched, ramp,
                      self.values if values is None else values)
+        fork.scaler = copy.deepcopy(self.scaler)  # an annealed copy goes on at its fork's scale
+        return fork
+
+    def take(self, winner: _Fork, knobs: Sequence[Knob]) -> None:
+        """Become ``winner`` (your run, when a challenger wins): its weights, optimizer, scheduler
+        and GradScaler states loaded into your objects, its values written, its multiple written
+        into the learning rates so that training goes on at it without hpx."""
+        self.model.load_state_dict(winner.model.state_dict())
+        self.optimizer.load_state_dict(winner.optimizer.state_dict())
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(winner.scheduler.state_dict())
+        if hasattr(self.scaler, "load_state_dict") and hasattr(winner.scaler, "state_dict"):
+            self.scaler.load_state_dict(winner.scaler.state_dict())
+        self.factor, self.values, self.lost = winner.factor, dict(winner.values), False
+        self.apply(knobs)  # a dropout rate is no part of the model's state
+        self.scale_lrs()
 
     def state(self, parent: int | None = None) -> dict[str, Any]:
         return {"factor": self.factor, "scaled": self.scaled, "values": dict(self.values), "lost": self.lost,
                 "ramp": self.ramp,
                 "parent": parent, "model": self.model.state_dict(),
+                "scaler": self.scaler.state_dict() if hasattr(self.scaler, "state_dict") else self.scaler,
                 "optimizer": self.optimizer.state_dict(),
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
 
@@ -130,9 +150,26 @@ class _Fork:
             self.scheduler.load_state_dict(state["scheduler"])
         self.factor, self.lost = float(state["factor"]), bool(state["lost"])
         self.scaled = bool(state.get("scaled", False))  # states saved before it was kept: not scaled
+        self.scaler = state.get("scaler")  # a state, made a GradScaler again at the next step
         self.values = {k: float(v) for k, v in state["values"].items()}
         self.ramp = None if state["ramp"] is None else (int(state["ramp"][0]), int(state["ramp"][1]))
         self.apply(knobs)
+
+
+def bind_scalers(start: _Fork, trained: Sequence[_Fork], scaler: Any) -> None:
+    """Each fork's own ``torch.amp.GradScaler``: yours for your run (``start``); for every other
+    fork a copy of yours made when it is first trained with one (a saved state loaded into it).
+    An overflow halves only the scale of the fork that overflowed, as in plain training at its
+    multiple: one scaler for all would let a challenger's overflows shrink your run's scale."""
+    if scaler is None:
+        return
+    start.scaler = scaler
+    for f in trained:
+        if f is not start and not hasattr(f.scaler, "scale"):
+            own = copy.deepcopy(scaler)
+            if f.scaler is not None:
+                own.load_state_dict(f.scaler)
+            f.scaler = own
 
 
 def graph_tensors_detached(model: torch.nn.Module) -> dict[int, Any]:
@@ -267,22 +304,40 @@ def _unreached(trained: list[_Fork], start: _Fork, how: str = "") -> list[str]:
 
 
 def _stepped_apart(forks: list[_Fork]) -> list[str]:
-    """Your scheduler stepped more often than the forks' copies of it: ``scheduler.step()`` called
-    in your loop as well as by hpx (your run then follows a faster schedule than the forks)."""
+    """Your objects changed where the forks' copies did not: your scheduler stepped more often
+    (``scheduler.step()`` in your loop as well), or your optimizer's groups or learning rates, or
+    which parameters train, changed by hand (host reads only: nothing waits on a device)."""
     start = forks[0]
-    other = next((f for f in forks[1:] if not f.lost and f.scheduler is not None), None)
-    if other is None or start.lost or start.scheduler is None:
+    other = next((f for f in forks[1:] if not f.lost), None)
+    if other is None or start.lost:
         return []
-    mine, theirs = getattr(start.scheduler, "last_epoch", None), getattr(other.scheduler, "last_epoch", None)
-    if mine is None or mine == theirs:
+    if start.scheduler is not None and other.scheduler is not None:
+        mine = getattr(start.scheduler, "last_epoch", None)
+        theirs = getattr(other.scheduler, "last_epoch", None)
+        if mine is not None and mine != theirs:
+            return [f"your scheduler is at step {mine}, the forks' copies of it at {theirs}: hpx.Forks steps "
+                    "every fork's scheduler itself; remove scheduler.step() from your loop"]
+    mine_g, theirs_g = start.optimizer.param_groups, other.optimizer.param_groups
+    what = (f"{len(mine_g)} parameter groups where the copies have {len(theirs_g)}"
+            if len(mine_g) != len(theirs_g) else
+            next((f"parameter group {i}'s lr {a['lr']:g} where the copies have {b['lr']:g}"
+                  for i, (a, b) in enumerate(zip(mine_g, theirs_g))
+                  if type(a["lr"]) is float and type(b["lr"]) is float and a["lr"] != b["lr"]), None)
+            or ("other parameters set to train (requires_grad)" if [
+                p.requires_grad for p in start.model.parameters()] != [
+                p.requires_grad for p in other.model.parameters()] else None))
+    if what is None:
         return []
-    return [f"your scheduler is at step {mine}, the forks' copies of it at {theirs}: hpx.Forks steps every "
-            "fork's scheduler itself; remove scheduler.step() from your loop"]
+    return [f"your optimizer or model has {what}: hpx.Forks trains copies of them made when it was built, "
+            "and a change made to yours since (a layer unfrozen, a group added, an lr set by hand or by a "
+            "scheduler of your own) reaches your run only. Make every fork's change with "
+            "forks.each(lambda replica: ...), or make it before hpx.Forks is built"]
 
 
 def common_draws(device: torch.device, calls: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Every call's result, each call made from the global random stream as it was before the first
-    (the CPU's and ``device``'s), the stream then left as the first call left it. So at every step
+    """Every call's result, each call made from the global random streams as they were before the
+    first (torch's on the CPU and ``device``, Python's, NumPy's), the streams then left as the first
+    call left them. So at every step
     each fork draws the random numbers your run draws (its dropout masks), which are those plain
     training at the fork's multiple would draw, whatever else takes from the stream between steps
     (a DataLoader's shuffle): common random numbers, which also pair the forks' comparison."""
@@ -314,17 +369,24 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 
 def _rng_get(device: torch.device) -> dict[str, Any]:
-    """The global random streams a model on ``device`` draws from: the CPU's, and the device's."""
-    state: dict[str, Any] = {"cpu": torch.random.get_rng_state()}
+    """The global random streams a model on ``device`` may draw from: torch's on the CPU and on the
+    device, Python's ``random`` and NumPy's (a LayerDrop, a SpecAugment mask)."""
+    state: dict[str, Any] = {"cpu": torch.random.get_rng_state(), "python": random.getstate()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
+    numpy = sys.modules.get("numpy")  # imported by the user or a library: else nothing draws from it
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
     return state
 
 
 def _rng_set(state: dict[str, Any], device: torch.device) -> None:
     torch.random.set_rng_state(state["cpu"])
+    random.setstate(state["python"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
+    if "numpy" in state:
+        sys.modules["numpy"].random.set_state(state["numpy"])
 
 
 def _plain(v: Any) -> Any:

@@ -6,6 +6,7 @@ layout are :mod:`hpx.checkpoint`'s.
 
 from __future__ import annotations
 
+import logging
 import zlib
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -19,11 +20,20 @@ from hpx.errors import ConfigError
 from hpx.replica import Replica
 from hpx.sync_record import SyncRecord
 
+log = logging.getLogger("hpx")
+
 
 class _RunState:
     """The engine's state: save, check, load, resume elastically, agree across ranks."""
 
     def _state_dict(self) -> dict[str, Any]:
+        told = getattr(self, "_stateless_told", False)
+        if (not callable(getattr(self.signal, "state_dict", None)) and not told
+                and not type(self.signal).__module__.startswith("hpx.")):
+            self._stateless_told = True
+            log.warning("the signal %s has no state_dict(): a resumed run starts it afresh (a probe's "
+                        "position, a running mean), so the resume is not exact; give it state_dict() and "
+                        "load_state_dict()", type(self.signal).__name__)
         return {
             "format": 2,
             "settings": self._settings(),
@@ -53,18 +63,20 @@ class _RunState:
 
     def _load_state_dict(self, state: dict[str, Any]) -> None:
         ConfigError.check(self._load_problems(state))
-        for r, s in zip(self.replicas, state.get("replicas", ())):  # absent: hpx state only
-            r.model.load_state_dict(s["model"])
-            r.optimizer.load_state_dict(_own_state(s["optimizer"]))
-        if self._state is not None and state.get("replicas"):
-            self._state.engaged = False  # the next step takes the loaded state over
-        self.knobs.load_state_dict(state["knobs"])
+        # the user's own objects first (their states cannot be checked beforehand): one that
+        # refuses its state leaves the weights, knobs and step as they were
         if state.get("signal") is not None and callable(getattr(self.signal, "load_state_dict", None)):
             self.signal.load_state_dict(state["signal"])
         if "search" in state:
             self.search.load_state_dict(state["search"])
         else:  # format 1: the controller's state alone
             self.search.load_state_dict({"controller": state["controller"]})
+        for r, s in zip(self.replicas, state.get("replicas", ())):  # absent: hpx state only
+            r.model.load_state_dict(s["model"])
+            r.optimizer.load_state_dict(_own_state(s["optimizer"]))
+        if self._state is not None and state.get("replicas"):
+            self._state.engaged = False  # the next step takes the loaded state over
+        self.knobs.load_state_dict(state["knobs"])
         self.step_count = int(state["step"])
         T = self.config.sync_every
         self._next_sync = int(state.get("next_sync", (self.step_count // T + 1) * T))
@@ -167,7 +179,8 @@ class _RunState:
         return {"replicas": self.n_replicas, **{k: getattr(self.config, k) for k in _TRAJECTORY},
                 "search": type(self.search).__name__,
                 **{f"search.{k}": v for k, v in (settings() if callable(settings) else {}).items()},
-                "knobs": [[k.name, type(k).__name__, k.kind] for k in self.knobs]}
+                "knobs": [[k.name, type(k).__name__, k.kind, k.targets(self.replicas[0])]
+                          for k in self.knobs]}
 
     def _load_problems(self, state: Any, elastic: bool = False) -> list[str]:
         """Every reason to refuse ``state``, found without changing anything (``elastic``: the
@@ -205,6 +218,13 @@ class _RunState:
         names = [k.get("name") for k in state.get("knobs", {}).get("knobs", [])]
         if names != self.knobs.names:
             problems.append(f"checkpoint holds knobs {names} but this run declares {self.knobs.names}")
+        elif saved is not None and "knobs" in saved:  # same names: the same kind of knob on the same setting
+            for was, now in zip(saved["knobs"], self._settings()["knobs"]):
+                if list(was) != list(now)[:len(was)]:
+                    where = lambda k: f" on {', '.join(k[3])}" if len(k) > 3 and k[3] else ""  # noqa: E731
+                    problems.append(f"checkpoint's knob {was[0]!r} is a {was[1]} ({was[2]}){where(was)}, "
+                                    f"this run's a {now[1]} ({now[2]}){where(now)}: its base means another "
+                                    "thing here; declare the knob as the saved run did")
         anchor = state.get("anchor")
         if anchor is not None:
             shapes = [tuple(p.shape) for p in _params(self.replicas[0].model)]

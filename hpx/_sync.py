@@ -5,8 +5,10 @@ it picked, move the bases, record the sync. A part of :class:`hpx.Engine`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
+import numbers
 import time
 from collections.abc import Collection
 from typing import Any
@@ -70,7 +72,7 @@ class _Syncing:
             metrics={k: float(v) for k, v in self._metrics.items()} or None,  # read here, at the sync
         )
         self._metrics = {}
-        decision = self.search.decide(self._view(self._values, scores, placed))
+        decision = self._checked(self.search.decide(self._view(self._values, scores, placed)), "decide")
         if placed is None:
             if decision.land is not None:
                 raise ValueError(f"the search gave land={decision.land!r} at a sync that scored no placed "
@@ -91,15 +93,16 @@ class _Syncing:
         else:
             self._land(decision, placed)
         self._apply(decision)
-        info = decision.info
-        rec.weights, rec.sigma, rec.direction = info.get("weights"), info.get("sigma"), info.get("direction")
-        rec.phase = info.get("phase")
-        rec.bases = {k.name: k.base for k in self.knobs}
-        self.knobs.label_lr(rec)
-        self._keep(rec)
-        if log.isEnabledFor(logging.INFO) and self.collective.rank == 0:  # one line per sync, not per rank
-            log.info("sync at step %d: %s", self.step_count, rec.summary())
-        try:
+        try:  # from here on the sync is made: whatever raises below, it is finished
+            info = {k: _plain(v) for k, v in (decision.info or {}).items()}  # tensors: not for a JSON line
+            rec.weights, rec.sigma = info.get("weights"), info.get("sigma")
+            rec.direction = info.get("direction")
+            rec.phase = info.get("phase")
+            rec.bases = {k.name: k.base for k in self.knobs}
+            self.knobs.label_lr(rec)
+            self._keep(rec)
+            if log.isEnabledFor(logging.INFO) and self.collective.rank == 0:  # one line per sync
+                log.info("sync at step %d: %s", self.step_count, rec.summary())
             for callback in self._on_sync:
                 callback(rec)
         finally:  # a callback that raises still leaves the sync finished (and the ranks in step)
@@ -153,7 +156,12 @@ class _Syncing:
             if self._controls_now():
                 ctx = SyncContext(self.replicas, interval, batch, loss_fn, self.collective,
                                   self.step_count, round=j)
-                scores = self.signal.measure(ctx).detach().reshape(-1).to(self._acc.device, torch.float32)
+                scores = self.signal.measure(ctx)
+                if not isinstance(scores, torch.Tensor):
+                    raise TypeError(f"the signal's measure() ({type(self.signal).__name__}) must return a "
+                                    f"tensor of {self.n_local} scores, one per local replica (got "
+                                    f"{type(scores).__name__}): torch.tensor(scores) or torch.stack(losses)")
+                scores = scores.detach().reshape(-1).to(self._acc.device, torch.float32)
             else:  # the search will not read them: the interval's loss (free) stands in, for the record
                 scores = interval.to(torch.float32)
             if scores.numel() != self.n_local:
@@ -304,6 +312,41 @@ class _Syncing:
         if n > 1:  # one lerp per replica from its own point: average so that they agree to the bit
             self._converge(torch.ones(n, dtype=torch.float64), average=True)
 
+    def _checked(self, decision: Any, where: str) -> Decision:
+        """``decision`` as the engine applies it, or a ``TypeError``/``ValueError`` naming the
+        strategy and what it returned, raised before anything of the sync is changed."""
+        who = f"the search's {where}() ({type(self.search).__name__})"
+        if not isinstance(decision, Decision):
+            raise TypeError(f"{who} must return a hpx.search.Decision (got {type(decision).__name__}); "
+                            "return Decision() to leave everything as it is")
+        knobs = list(self.knobs)
+        problems = []
+        for field in ("bases", "spreads"):
+            given = getattr(decision, field)
+            if given is None:
+                continue
+            try:
+                row = torch.as_tensor(given, dtype=torch.float64).reshape(-1)
+            except (TypeError, ValueError, RuntimeError):
+                problems.append(f"{field} must be {len(knobs)} numbers, one per knob (got {given!r})")
+                continue
+            if row.numel() != len(knobs):
+                problems.append(f"{field} must be {len(knobs)} numbers, one per knob {self.knobs.names} "
+                                f"(got {row.numel()}: {row.tolist()})")
+            elif field == "bases":
+                bad = [f"{k.name}={b!r}" for k, b in zip(knobs, row.tolist()) if k.explore and math.isinf(b)]
+                if bad:
+                    problems.append(f"bases must be finite (got {bad})")
+        if decision.spacing is not None and len(decision.spacing) != len(knobs):
+            problems.append(f"spacing must name one spacing per knob {self.knobs.names} "
+                            f"(got {decision.spacing!r})")
+        nxt = decision.next_sync
+        if nxt is not None and isinstance(nxt, numbers.Integral) and not isinstance(nxt, bool):
+            decision = dataclasses.replace(decision, next_sync=int(nxt))  # a NumPy integer, say
+        if problems:
+            raise ValueError(f"{who} returned a decision the engine cannot apply: {'; '.join(problems)}")
+        return decision
+
     def _apply(self, decision: Decision, starting: bool = False) -> None:
         """Write a decision's bases, spreads, placement and next sync into the knobs and the
         schedule."""
@@ -326,6 +369,12 @@ class _Syncing:
             for k, b in zip(knobs, torch.as_tensor(decision.bases, dtype=torch.float64).tolist()):
                 if k.explore:
                     k.base = k.clamp(b)
+                    if k.kind == "mul" and b <= 0 and k.name not in self._floored:  # once per knob
+                        self._floored.add(k.name)
+                        log.warning("step %d: the search (%s) moved knob %r to %g, at or below 0; it is kept "
+                                    "at its bound %g, where it barely acts (give the knob bounds=(low, high) "
+                                    "with low > 0 for a floor)", self.step_count, type(self.search).__name__,
+                                    k.name, b, k.base)
         if decision.spreads is not None or decision.spacing is not None:
             spreads = ([k.spread for k in knobs] if decision.spreads is None
                        else torch.as_tensor(decision.spreads, dtype=torch.float64).tolist())
@@ -353,6 +402,18 @@ class _Syncing:
             with open(path, "a" if self._history_appends else "w") as f:  # not a former run's lines
                 f.write(_record_line(rec) + "\n")
             self._history_appends = True
+
+
+def _plain(value: Any) -> Any:
+    """A strategy's ``info`` value as the record keeps it: tensors and NumPy values as Python
+    numbers and lists, containers walked."""
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy":
+        return value.tolist() if hasattr(value, "tolist") else value
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _weights_norm(model: torch.nn.Module, constants: Collection[str] = ()) -> torch.Tensor:

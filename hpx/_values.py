@@ -94,19 +94,25 @@ class _KnobValues:
                                "schedule's factors must be finite and >= 0 (a negative learning rate "
                                "trains uphill); is total_steps shorter than the run?"])
 
-    def _write(self, force: bool = False) -> None:
-        """Write each knob's value into each local replica where it changed."""
+    def _write(self, force: bool = False, strict: bool = False) -> None:
+        """Write each knob's value into each local replica where it changed (``strict``: raise
+        on a schedule that returns no number before anything is written)."""
         which = range(len(self.knobs)) if force else self._scheduled
         knobs = self.knobs._knobs
+        scales = []
         for i in which:
             k = knobs[i]
             raw = k.scale(self.step_count)
             scale = _number(raw)
-            self._scales[i] = scale
             if not 0.0 <= scale < math.inf and self._bad_factor is None:  # also catches NaN
                 # raised when a step would train with it: torch's own OneCycleLR (linear) goes
                 # below 0 at total_steps, after the last step, and hpx writes what torch writes
                 self._bad_factor = (k.name, raw if math.isnan(scale) else scale, self.step_count)
+            scales.append((i, k, scale))
+        if strict and self._bad_factor is not None and not isinstance(self._bad_factor[1], float):
+            self._check_factors()
+        for i, k, scale in scales:
+            self._scales[i] = scale
             written, setters, vals = self._written[i], self._setters[i], self._local_values[i]
             for l, rep in enumerate(self.replicas):
                 v = vals[l] * scale

@@ -61,6 +61,10 @@ __all__ = ["Engine", "OptimizerFactory", "SyncRecord"]
 
 log = logging.getLogger("hpx")
 
+# settings of hpx's own Controller, and those with which the engine builds its default HDET search
+_CONTROLLER_SETTINGS = ("meta_lr", "momentum", "debias_momentum", "temperature", "temperature_scale", "space")
+_HDET_SETTINGS = ("controller", "warmup", "decay", *_CONTROLLER_SETTINGS)
+
 OptimizerFactory = Callable[[torch.nn.Module], torch.optim.Optimizer]
 """``factory(model) -> optimizer`` built over *that* model's parameters."""
 
@@ -151,27 +155,27 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         ConfigError.check(_checks.backend_problems(backend) + _checks.knobs_problems(knobs))
         self.collective: Collective = backend if backend is not None else default_backend()
         self.knobs = knobs if isinstance(knobs, Knobs) else Knobs(*knobs)
+        ConfigError.check(_taken_problems(self.knobs))
+        before = self.knobs.state_dict()
+        try:
+            self._build(model, optimizer, signal, search, custom)
+        except BaseException:  # a constructor that raises leaves the knobs as they were declared
+            self.knobs.load_state_dict(before)
+            raise
+        for k in self.knobs:
+            k._engine_bound = True  # an engine moves its knobs' bases: no other engine takes them
+
+    def _build(self, model: torch.nn.Module, optimizer: Union[OptimizerFactory, torch.optim.Optimizer],
+               signal: Signal | None, search: Search | None, custom: Any) -> None:
+        """The constructor past its argument checks: replicas, knobs bound, search started,
+        weights made equal."""
+        cfg = self.config
         if self.knobs.seed is None:
             self.knobs.reseed(cfg.seed)
         self.signal: Signal = signal if signal is not None else IntervalLoss()
         if not hasattr(self.signal, "measure"):
             raise ConfigError([f"signal must have a measure(ctx) method (got {self.signal!r})"])
-        if search is not None:
-            if custom is not None:
-                raise ConfigError(["give search=... or controller=obj, not both (a custom controller "
-                                   "runs inside hpx.search.HDET(controller=obj))"])
-            missing = [m for m in ("start", "decide", "acts_at", "state_dict", "load_state_dict")
-                       if not callable(getattr(search, m, None))]
-            if missing:
-                raise ConfigError([f"search must implement hpx.search.Search; {search!r} lacks "
-                                   f"{', '.join(missing)}"])
-            self.search: Search = search
-        else:
-            controller = custom if custom is not None else Controller(
-                meta_lr=cfg.meta_lr, momentum=cfg.momentum, temperature=cfg.temperature,
-                temperature_scale=cfg.temperature_scale, space=cfg.space, debias=cfg.debias_momentum,
-            )
-            self.search = HDET(controller, warmup=cfg.warmup, decay=cfg.decay, active=cfg.controller)
+        self.search: Search = _search_of(cfg, search, custom)
 
         world, rank = self.collective.world_size, self.collective.rank
         local = (cfg.replicas if cfg.replicas is not None  # else the backend's choice (1 if it has none)
@@ -183,18 +187,9 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         self._writes_files = getattr(self.collective, "process_rank", self.collective.rank) == 0
         self._ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         sharded = _is_sharded(model)  # FSDP2: each rank holds shards; FSDP reduces the gradients
-        if self._ddp and (local > 1 or cfg.mode == "independent"):
-            raise ConfigError(
-                ["a DistributedDataParallel model needs one replica per rank and mode='shared' "
-                 "(DDP all-reduces gradients every step); for independent replicas pass the bare model"]
-            )
-        if sharded and (local > 1 or cfg.warm_init):
-            raise ConfigError(
-                [f"a sharded (FSDP2) model is one replica per group of its shard ranks: give replicas=1 "
-                 f"(got {local}) and no warm_init (got {cfg.warm_init}); hpx.backends.Mesh places the "
-                 "replicas along the mesh's replicate dim"]
-            )
         self._framework_reduces = self._ddp or sharded
+        shared = cfg.mode == "shared" and (local > 1 or (world > 1 and not self._framework_reduces))
+        ConfigError.check(_layout_problems(model, cfg, local, self._ddp, sharded, shared))
         prepare = getattr(self.collective, "prepare_model", None)
         if prepare is not None:  # e.g. keep one rank's NaN gradient out of DDP's mean
             model = prepare(model)
@@ -204,13 +199,13 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
 
         self._bind_knobs()
         self.step_count = 0
+        self._floored: set[str] = set()  # knobs a strategy moved to 0 or below (warned once)
         self._bad_factor: tuple[str, float, int] | None = None  # a schedule's factor < 0 or non-finite
         if world > 1:
             self._check_agreement(settle=False)
             # Every rank starts from rank 0's bases and permutation stream, whatever seed it was given.
             self.knobs.load_state_dict(self.collective.broadcast_object(self.knobs.state_dict(), 0))
         dev = next((p.device for p in self.replicas[0].model.parameters()), torch.device("cpu"))
-        shared = cfg.mode == "shared" and (local > 1 or (world > 1 and not self._framework_reduces))
         # Shared mode: the replicas' optimizer states are equal; keep one where that is provable.
         self._state: _SharedState | None = None
         self.unshared_reason: str | None = "not shared mode, or one replica per process"
@@ -251,12 +246,10 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         self._placement: torch.Tensor | None = None
         self._anchor: list[torch.Tensor] | None = None
         empty = torch.empty(0, dtype=torch.float64)
-        self._apply(self.search.start(self._view(torch.empty(0, self.n_replicas, dtype=torch.float64),
-                                                 empty)), starting=True)
+        start = self.search.start(self._view(torch.empty(0, self.n_replicas, dtype=torch.float64), empty))
+        self._apply(self._checked(start, "start"), starting=True)
         self._draw()
-        self._write(force=True)
-        if self._bad_factor is not None and not isinstance(self._bad_factor[1], float):
-            self._check_factors()  # a schedule that returns no number: named before the weights change
+        self._write(force=True, strict=True)  # a schedule that returns no number: named before any write
 
         # Only now that every check has passed are the weights touched: every replica starts
         # from rank 0's weights, then (optionally) warm noise. A constructor that raises leaves
@@ -458,6 +451,60 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         return (f"Engine(replicas={self.n_replicas} ({self.n_local} local), step={self.step_count}, "
                 f"{self.knobs!r}, search={self.search!r}, signal={self.signal!r}, "
                 f"backend={self.collective!r})")
+
+
+def _taken_problems(knobs: Knobs) -> list[str]:
+    taken = [k.name for k in knobs if getattr(k, "_engine_bound", False)]
+    return [f"knob(s) {taken} already belong to another hpx.Engine, which moves their bases: a second "
+            "engine would start from that run's values, and both would move together. Declare the knobs "
+            "anew for each engine"] if taken else []
+
+
+def _search_of(cfg: EngineConfig, search: Search | None, custom: Any) -> Search:
+    """The search strategy: ``search``, or HDET around ``custom`` or hpx's own controller; the
+    settings the chosen one would ignore refused."""
+    owned = _HDET_SETTINGS if search is not None else _CONTROLLER_SETTINGS if custom is not None else ()
+    unused = [f for f in owned if f in cfg.model_fields_set]
+    if unused:
+        what = ("a search strategy decides the bases itself" if search is not None
+                else "a custom controller has its own settings")
+        raise ConfigError([f"{', '.join(unused)} would be ignored: {what} (they set hpx's own controller); "
+                           "drop them, or give them to the strategy or controller you build"])
+    if search is None:
+        controller = custom if custom is not None else Controller(
+            meta_lr=cfg.meta_lr, momentum=cfg.momentum, temperature=cfg.temperature,
+            temperature_scale=cfg.temperature_scale, space=cfg.space, debias=cfg.debias_momentum,
+        )
+        return HDET(controller, warmup=cfg.warmup, decay=cfg.decay, active=cfg.controller)
+    if custom is not None:
+        raise ConfigError(["give search=... or controller=obj, not both (a custom controller "
+                           "runs inside hpx.search.HDET(controller=obj))"])
+    missing = [m for m in ("start", "decide", "acts_at", "state_dict", "load_state_dict")
+               if not callable(getattr(search, m, None))]
+    if missing:
+        raise ConfigError([f"search must implement hpx.search.Search; {search!r} lacks {', '.join(missing)}"])
+    return search
+
+
+def _layout_problems(model: torch.nn.Module, cfg: EngineConfig, local: int, ddp: bool, sharded: bool,
+                     shared: bool) -> list[str]:
+    """What the replicas' layout cannot take: DDP or FSDP2 with several replicas per process, and
+    sparse gradients in the shared mode's dense buckets."""
+    problems = []
+    if ddp and (local > 1 or cfg.mode == "independent"):
+        problems.append("a DistributedDataParallel model needs one replica per rank and mode='shared' "
+                        "(DDP all-reduces gradients every step); for independent replicas pass the bare "
+                        "model")
+    if sharded and (local > 1 or cfg.warm_init):
+        problems.append(f"a sharded (FSDP2) model is one replica per group of its shard ranks: give "
+                        f"replicas=1 (got {local}) and no warm_init (got {cfg.warm_init}); hpx.backends.Mesh "
+                        "places the replicas along the mesh's replicate dim")
+    sparse = [n for n, m in model.named_modules() if getattr(m, "sparse", False) is True]
+    if shared and sparse:
+        problems.append(f"module {sparse[0]!r} gives sparse gradients (sparse=True), which the shared mode's "
+                        "gradient mean (dense buckets) does not take: build the engine with "
+                        "mode='independent', or the module with sparse=False")
+    return problems
 
 
 def _build_replicas(model: torch.nn.Module, optimizer: Union[OptimizerFactory, torch.optim.Optimizer],

@@ -23,7 +23,7 @@ with the knob moved by its spread to each side of your value; they are cut and j
 
 It costs optimizer steps (5 forks to 10% of the run, 3 to 25%, 2 to the end, and the annealed
 copies: about 3x plain training's); the forks share nothing between steps but the batch. Why this
-design: ``docs/method.md`` ("A confident end").
+design: ``docs/method.md`` ("``hpx.Forks``: the confident end in hpx").
 
 Under torch.distributed every rank trains every fork on its part of the batch, each fork's
 gradients averaged over the ranks (one all-reduce per dtype per step): data-parallel training.
@@ -46,7 +46,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hpx import _checks
 from hpx._buckets import dtype_groups
-from hpx._fork_probe import _layout, first_checked, probe_losses, probes_alike, ranks_start_alike
+from hpx._fork_probe import _layout, first_checked, mean_score, probe_losses, probes_alike, ranks_start_alike
 from hpx._forks import (
     _FORMAT,
     _LOST,
@@ -58,6 +58,7 @@ from hpx._forks import (
     _settings_problems,
     _stepped_apart,
     _unstepped,
+    bind_scalers,
     common_draws,
     knob_values,
     knobs_problems,
@@ -247,7 +248,9 @@ class Forks:
         if self._probe_fn is None:
             self._probe_fn = loss_fn
         trained = self._open()
-        calls = [lambda f=f: _forward_backward(f, loss_fn, batch, scale, scaler) for f in trained]
+        bind_scalers(self._forks[0], trained, scaler)
+        calls = [lambda f=f: _forward_backward(f, loss_fn, batch, scale, None if scaler is None else f.scaler)
+                 for f in trained]
         before = _layout(batch) if self.step_count == 0 else None  # the first step checks loss_fn
         try:
             found = first_checked(lambda: common_draws(_device(self._forks[0].model), calls), before, batch,
@@ -278,17 +281,18 @@ class Forks:
         ConfigError.check(problems)
         trained = self._trained()
         self._reduce(trained)
-        if scaler is not None:
-            for f in trained:
-                scaler.unscale_(f.optimizer)
+        bind_scalers(self._forks[0], trained, scaler)
+        for f in trained if scaler is not None else ():
+            f.scaler.unscale_(f.optimizer)
         norms = None
-        if max_grad_norm is not None:
-            norms = torch.stack([torch.nn.utils.clip_grad_norm_(f.model.parameters(), float(max_grad_norm))
-                                 for f in trained if f.ramp is None])
+        if max_grad_norm is not None:  # the annealed copies too, as their forks are (norms not shown)
+            clipped = [torch.nn.utils.clip_grad_norm_(f.model.parameters(), float(max_grad_norm))
+                       for f in trained]
+            norms = torch.stack([n for f, n in zip(trained, clipped) if f.ramp is None])
         for f in trained:
-            self._step_one(f, scaler)
-        if scaler is not None:
-            scaler.update()
+            self._step_one(f, None if scaler is None else f.scaler)
+        for f in trained if scaler is not None else ():
+            f.scaler.update()
         ConfigError.check(_stepped_apart(self._forks))
         self.fork_steps += len(trained) + self._outside  # a framework's step of your run counts too
         self._advance()
@@ -434,14 +438,7 @@ class Forks:
     def _adopt(self, i: int) -> None:
         start = self._forks[0]
         if i != 0:
-            winner = self._forks[i]
-            start.model.load_state_dict(winner.model.state_dict())
-            start.optimizer.load_state_dict(winner.optimizer.state_dict())
-            if start.scheduler is not None:
-                start.scheduler.load_state_dict(winner.scheduler.state_dict())
-            start.factor, start.values, start.lost = winner.factor, dict(winner.values), False
-            start.apply(self.knobs)  # a dropout rate is no part of the model's state
-            start.scale_lrs()  # its optimizer and scheduler go on at the winner's lr without hpx
+            start.take(self._forks[i], self.knobs)
         self._forks = [start]
         self.factor, self.values, self.decided = start.factor, dict(start.values), True
 
@@ -492,18 +489,7 @@ class Forks:
     def _scores(self, forks: list[_Fork], first: bool = False) -> list[float]:
         """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;
         ``inf`` when it is not finite (``nan`` stays on the ``first`` pass, which checks the loss)."""
-        out = []
-        for parts in self._probe_losses(forks, units=False, first=first):
-            if not parts:
-                raise ConfigError(["the probe yielded no batches: give a list of held-out batches (an "
-                                   "exhausted generator cannot be iterated again)"])
-            if any(p.numel() > 1 for p in parts):  # losses per example
-                flat = torch.cat([p.reshape(-1) for p in parts])
-            else:
-                flat = torch.stack([p.reshape(()) for p in parts])
-            v = float(flat.mean())
-            out.append(v if math.isfinite(v) or (first and math.isnan(v)) else math.inf)
-        return out
+        return [mean_score(parts, first) for parts in self._probe_losses(forks, units=False, first=first)]
 
     def _gain(self, a: _Fork, b: _Fork) -> float:
         """How many standard errors ``a`` scores below ``b`` on the probe, example by example."""
@@ -523,6 +509,13 @@ class Forks:
     def factors(self) -> list[float]:
         """The lr multiples of the forks being trained, your run's first."""
         return [f.factor for f in self._forks]
+
+    def each(self, fn: Callable[[Replica], Any]) -> None:
+        """Call ``fn(replica)`` on every fork and annealed copy (your run's first) to change them all
+        alike mid-run: unfreeze a layer, add a parameter group, set an lr by hand. A change made to
+        your own objects alone reaches your run only, and is refused at the next step."""
+        for f in [*self._forks, *self._clones]:
+            fn(f.replica)
 
     @property
     def bases(self) -> dict[str, float]:

@@ -100,8 +100,9 @@ def format_history(history: Sequence[SyncRecord], every: int = 1) -> str:
 
 
 def _from_forks(history: Sequence[SyncRecord]) -> bool:
-    """Whether ``history`` is :class:`hpx.Forks`' decisions (its cuts and its end)."""
-    return all(r.phase in ("cut", "end") for r in history)
+    """Whether ``history`` is :class:`hpx.Forks`' decisions (its cuts and its end), not an
+    engine's whose strategy names its phases alike (an engine's records give ``applied``)."""
+    return all(r.phase in ("cut", "end") and r.applied is None and "lr" in r.values for r in history)
 
 
 def _fork_label(setting: dict[str, float], yours: dict[str, float] | None = None) -> str:

@@ -330,14 +330,27 @@ class ProbeStream:
         return {"position": self._pos}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue after ``state["position"]`` consumed batches."""
+        """Continue after ``state["position"]`` consumed batches (the data cycled as the run
+        cycled it, whether or not it has a length)."""
         pos = int(state["position"])
-        self._it, self._pos = None, 0
-        skip = pos % len(self.data) if isinstance(self.data, Sized) and len(self.data) else pos
-        for _ in range(skip):
-            if self._it is None:
-                self._it = iter(self.data)
-            next(self._it)
+        rng = torch.random.get_rng_state()  # iterating a DataLoader draws from the global stream
+        try:
+            self._it = iter(self.data)
+            skip, length = pos, 0
+            while skip > 0:
+                try:
+                    next(self._it)
+                except StopIteration:
+                    if length == 0:
+                        raise ConfigError(["ProbeStream data yielded no batches on resume: give the "
+                                           "resumed run the probe data the saved run had"]) from None
+                    self._it = iter(self.data)
+                    skip %= length  # whole passes more are the same stream
+                    continue
+                length += 1
+                skip -= 1
+        finally:
+            torch.random.set_rng_state(rng)
         self._pos = pos
 
     def __repr__(self) -> str:

@@ -153,7 +153,7 @@ KNOBS = [
     Case("empty name", lambda: hpx.Knob("", base=1.0), hpx.ConfigError, ("non-empty string", "''")),
     Case("group bool", lambda: hpx.LearningRate(group=True), hpx.ConfigError, ("index or a name", "True")),
     Case("schedule not callable", lambda: hpx.LearningRate(schedule=0.5), hpx.ConfigError,
-         ("must be callable", "0.5")),
+         ("must be a function step -> factor", "0.5")),
     Case("attribute not identifier", lambda: hpx.ModuleAttribute("t", attribute="a.b", modules=nn.Dropout,
                                                                  base=1.0), hpx.ConfigError,
          ("identifier", "'a.b'")),

@@ -79,8 +79,9 @@ class Knob:
             1 is no spread. A search strategy may change it during the run.
         kind: ``"mul"`` (``b * rho_s``, for positive quantities) or ``"add"``
             (``b + alpha * u_s``, for bounded ones).
-        bounds: ``(low, high)``; values and the base are kept inside. A
-            multiplicative knob's values are always positive.
+        bounds: ``(low, high)``; values and the base are kept inside. ``None``: ``(0, inf)``,
+            for an additive knob too (give ``bounds=(-math.inf, math.inf)`` for a value that
+            may go negative). A multiplicative knob's values are always positive.
         explore: ``False`` keeps the knob fixed at its base (no spread, no
             controller updates) while still applying it: useful for ablations.
     """
@@ -202,8 +203,9 @@ class Knob:
 
     @property
     def scheduled(self) -> bool:
-        """Whether :meth:`scale` changes with the step (values then are written every step)."""
-        return False
+        """Whether :meth:`scale` changes with the step (values then are written every step). A
+        subclass that overrides :meth:`scale` is taken as scheduled unless it says otherwise."""
+        return type(self).scale is not Knob.scale
 
     # --- shared behaviour --------------------------------------------------------
 
@@ -216,7 +218,12 @@ class Knob:
             raise ConfigError(
                 [f"knob {self.name!r} has no base value: pass base=... when declaring it"]
             )
-        ConfigError.check(_base_problems(f"knob {self.name!r}", value, self.kind, self.low, self.high))
+        label = f"knob {self.name!r}"
+        problems = _base_problems(label, value, self.kind, self.low, self.high)
+        if not problems and self.explore:  # the spread as declared, around the base read
+            problems = _reach_problems(label, float(value), self.kind, self.low, self.high,
+                                       0.0 if self.spacing == "log" else self.spread, self.span)
+        ConfigError.check(problems)
         self._initial_base = float(value)
         self.base = float(value)
 
@@ -311,7 +318,13 @@ class Custom(Knob):
         return lambda value: setter(replica, value)
 
     def read(self, replica: Replica) -> float | None:
-        return None if self._get is None else float(self._get(replica))
+        if self._get is None:
+            return None
+        got = self._get(replica)
+        if not _is_real(got) and not (isinstance(got, torch.Tensor) and got.numel() == 1):
+            raise ConfigError([f"get of knob {self.name!r} returned {got!r}; it must return the setting's "
+                               "current value, a number (or give base=... and no get)"])
+        return float(got)
 
 
 def _is_real(x: object) -> bool:
@@ -333,8 +346,8 @@ def _reach_problems(label: str, base: float, kind: str, low: float, high: float,
     if lo >= low and hi <= high:
         return []
     room = min(base - low, high - base) if kind == "add" else None
-    fix = (f"use a spread <= {room:g} or move the base" if room is not None
-           else "narrow the spread or move the base")
+    fix = (f"use a spread <= {room:g}, move the base or widen the bounds" if room is not None
+           else "narrow the spread, move the base or widen the bounds")
     return [f"the values of {label} would span [{lo:g}, {hi:g}], past its bounds [{low:g}, {high:g}]: "
             f"replicas beyond a bound would all get the bound's value; {fix}"]
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Union
 
+import torch
 from torch import nn
 
 from hpx.errors import ConfigError
-from hpx.knobs.base import Kind, Knob, Setter
+from hpx.knobs.base import Kind, Knob, Setter, _is_real
 
 if TYPE_CHECKING:
     from hpx.replica import Replica
@@ -27,6 +28,11 @@ ModuleSelector = Union[
 list of them (``"encoder.layers.0.dropout"``), a module class or tuple of classes
 (every instance), a function ``model -> modules``, or ``None`` for the knob's
 default class."""
+
+
+def _is_number(value: object) -> bool:
+    """A plain number (``nn.Dropout(0)`` keeps an int): not a tensor, buffer or parameter."""
+    return _is_real(value) and not isinstance(value, torch.Tensor)
 
 
 class ModuleAttribute(Knob):
@@ -93,6 +99,14 @@ class ModuleAttribute(Knob):
             raise ConfigError(
                 [f"knob {self.name!r}: module(s) {sorted(set(missing))} have no attribute "
                  f"{self.attribute!r}"]
+            )
+        odd = {type(getattr(m, self.attribute)).__name__ for m in found
+               if not _is_number(getattr(m, self.attribute))}
+        if odd:
+            raise ConfigError(
+                [f"knob {self.name!r}: the modules' {self.attribute!r} is a {', '.join(sorted(odd))}, and "
+                 f"the knob writes a Python float into it: store it as a float (self.{self.attribute} = "
+                 f"1.0), or, for a tensor, declare hpx.Custom({self.name!r}, set=lambda r, v: ..., ...)"]
             )
         return found
 

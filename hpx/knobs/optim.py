@@ -107,7 +107,11 @@ class GroupKnob(Knob):
 
 def _checked_schedule(name: str, schedule: Callable[[int], float] | None) -> Callable[[int], float] | None:
     if schedule is not None and not callable(schedule):
-        raise ConfigError([f"schedule of knob {name!r} must be callable (got {schedule!r})"])
+        if hasattr(schedule, "get_last_lr"):  # a torch LRScheduler: the knobs that follow one are built
+            raise ConfigError([f"schedule of knob {name!r} is a torch scheduler ({type(schedule).__name__}); "
+                               "a knob's schedule is a function step -> factor. To explore on top of a "
+                               "torch scheduler: knobs=hpx.schedule.explore_knobs(scheduler, spread=...)"])
+        raise ConfigError([f"schedule of knob {name!r} must be a function step -> factor (got {schedule!r})"])
     return schedule
 
 

@@ -98,8 +98,13 @@ class _Shadow:
         self.step = 0
         self.use_beta1 = "betas" in self.optimizer.defaults
         self.cycles_momentum = any(getattr(s, "cycle_momentum", False) for s in _walk(scheduler))
+        # where it started, to go back to (an engine loaded with an earlier checkpoint); a shadow
+        # optimizer shared with other schedulers cannot go back alone
+        self._start = None if share else self.state_dict()
 
     def advance_to(self, step: int) -> None:
+        if step < self.step and self._start is not None:
+            self.load_state_dict(self._start)
         while self.step < step:
             self.scheduler.step()
             self.step += 1

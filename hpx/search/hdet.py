@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hpx.controller import Controller
+from hpx.controller import Controller, ControllerStep
 from hpx.errors import ConfigError
 from hpx.search.base import Decision, SyncView, worst_filled
 
@@ -66,6 +66,9 @@ class HDET:
         if scores is None:  # no replica has a finite score: nothing to compare
             return Decision()
         out = self.controller.update(view.values, scores, view.bases, self._log, decay)
+        if not isinstance(out, ControllerStep):
+            raise TypeError(f"the controller's update() ({type(self.controller).__name__}) must return a "
+                            f"hpx.ControllerStep (got {type(out).__name__})")
         return Decision(bases=out.bases, info={
             "weights": out.weights.tolist(), "sigma": out.sigma,
             "direction": dict(zip(view.names, out.direction.tolist())),

@@ -1,0 +1,220 @@
+"""hpx.Forks under the set-ups of a real training loop that the basic tests do not use: gradient
+clipping of the annealed copies, a GradScaler whose scale differs from fork to fork, models that
+draw from Python's and NumPy's random streams, mixed precision around the first probe pass, and
+changes made to your objects mid-run."""
+
+from __future__ import annotations
+
+import copy
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hpx
+from tests.test_forks import BATCHES, PROBE, STEPS, _loss, _net, _probe_loss, _Rep, _same
+
+
+def _sgd(model: nn.Module, lr: float = 0.05) -> torch.optim.SGD:
+    return torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr, momentum=0.9)
+
+
+def _grad_norm(model: nn.Module) -> float:
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                       if p.grad is not None])))
+
+
+def test_the_annealed_copies_are_clipped_as_their_forks_are():
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, _sgd(model, 0.5), total_steps=STEPS, probe=PROBE)
+    norms = []
+    for b in BATCHES[:STEPS]:
+        forks.backward(_loss, b)
+        forks.optimizer_step(max_grad_norm=1e-3)
+        norms += [_grad_norm(c.model) for c in forks._clones if c.model[0].weight.grad is not None]
+    assert norms and max(norms) <= 1e-3 * (1 + 1e-5)
+
+
+def _scaled_plain(lr: float, scaler: torch.amp.GradScaler, steps: int = STEPS) -> nn.Module:
+    model = _net(p=0.0)
+    opt = _sgd(model, lr)
+    for b in BATCHES[:steps]:
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(_loss(_Rep(model), b)).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    return model
+
+
+def _scaled_forks(lr: float, scaler: torch.amp.GradScaler, loss_fn=_loss,
+                  **settings) -> tuple[nn.Module, hpx.Forks]:
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, _sgd(model, lr), total_steps=STEPS, probe=PROBE, **settings)
+    for b in BATCHES[:STEPS]:
+        forks.backward(loss_fn, b, scaler=scaler)
+        forks.optimizer_step(scaler=scaler)
+    return model, forks
+
+
+def _overflowing(rep, b):
+    """The loss, whose scaled gradients overflow on the 10x fork (its lr multiple: rep.value("lr"))."""
+    return _loss(rep, b) * (1e38 if rep.value("lr") > 5 else 1.0)
+
+
+def test_a_challengers_overflow_leaves_your_scaler_and_your_run_as_plain_training():
+    """The 10x fork overflows at every step until it is cut: with one scaler for all, each of its
+    overflows halved the scale your run trains with."""
+    plain_scaler, scaler = torch.amp.GradScaler("cpu"), torch.amp.GradScaler("cpu")
+    plain = _scaled_plain(0.03, plain_scaler)
+    model, forks = _scaled_forks(0.03, scaler, _overflowing, confidence=1e9)  # your run is kept
+    assert forks.factor == 1.0
+    assert scaler.get_scale() == plain_scaler.get_scale() == 65536.0
+    assert _same(model, plain)
+
+
+def test_the_winners_scaler_state_is_loaded_into_yours():
+    """The 10x fork overflows until it is cut, halving its own scale (and, with one scaler for all,
+    everyone's): the winner's scale is plain training's at the winner's multiple, and it is what
+    your scaler holds after."""
+    yours = torch.amp.GradScaler("cpu")
+    model, forks = _scaled_forks(0.001, yours, _overflowing, confidence=0.0)
+    assert 1.0 < forks.factor < 5
+    at_multiple = torch.amp.GradScaler("cpu")
+    plain = _scaled_plain(0.001 * forks.factor, at_multiple)
+    assert yours.state_dict() == at_multiple.state_dict()
+    assert _same(model, plain)
+
+
+def test_a_resume_with_a_scaler_is_bit_for_bit_for_every_forks_scale(tmp_path):
+    def build():
+        model = _net(p=0.0)
+        scaler = torch.amp.GradScaler("cpu")
+        return model, scaler, hpx.Forks(model, _sgd(model, 0.01), total_steps=STEPS, probe=PROBE)
+
+    def train(forks, scaler, batches):  # the 10x fork overflows until its own scale is 8192
+        for b in batches:
+            forks.backward(lambda rep, b: _loss(rep, b) * (1e34 if rep.value("lr") > 5 else 1.0), b,
+                           scaler=scaler)
+            forks.optimizer_step(scaler=scaler)
+
+    model, scaler, forks = build()
+    train(forks, scaler, BATCHES[:2])
+    buf = io.BytesIO()
+    torch.save({"forks": forks.state_dict(), "scaler": scaler.state_dict()}, buf)
+    train(forks, scaler, BATCHES[2:STEPS])
+
+    model2, scaler2, forks2 = build()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    forks2.load_state_dict(saved["forks"])
+    scaler2.load_state_dict(saved["scaler"])
+    train(forks2, scaler2, BATCHES[2:STEPS])
+    assert _same(model, model2) and scaler.state_dict() == scaler2.state_dict()
+    assert [r.scores for r in forks.history] == [r.scores for r in forks2.history]
+
+
+class _LayerDrop(nn.Module):
+    """Skips its hidden layer at random, drawing from Python's and NumPy's global streams (as
+    LayerDrop and a SpecAugment mask do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.mid, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if not self.training or random.random() > 0.3:
+            h = torch.tanh(self.mid(h))
+        if self.training:
+            h = h * torch.as_tensor(np.random.rand(*h.shape) > 0.1, dtype=h.dtype)
+        return self.out(h)
+
+
+def test_a_model_drawing_from_pythons_and_numpys_streams_is_plain_training_when_kept():
+    def run(with_forks: bool):
+        random.seed(3)
+        np.random.seed(3)
+        model = _LayerDrop()
+        opt = _sgd(model)
+        if with_forks:
+            forks = hpx.Forks(model, opt, total_steps=STEPS, probe=PROBE, confidence=1e9)
+            for b in BATCHES[:STEPS]:
+                forks.step(_loss, b)
+        else:
+            _plain_loop(model, opt)
+        return model, random.random(), float(np.random.rand())
+
+    (a, ra, na), (b, rb, nb) = run(True), run(False)
+    assert _same(a, b) and (ra, na) == (rb, nb)
+
+
+def _plain_loop(model, opt, batches=None, change=None):
+    for i, b in enumerate(BATCHES[:STEPS] if batches is None else batches):
+        if change is not None:
+            change(i, model, opt)
+        opt.zero_grad(set_to_none=True)
+        _loss(_Rep(model), b).backward()
+        opt.step()
+
+
+def test_the_first_probe_pass_scores_in_full_precision_inside_your_autocast():
+    model = _net(p=0.0)
+    fp32 = _probe_loss(copy.deepcopy(model))
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        forks.backward(_loss, BATCHES[0])
+    assert forks._initial == pytest.approx(fp32, rel=1e-6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = _probe_loss(copy.deepcopy(model))
+    assert abs(low - fp32) > 1e-6 * fp32  # what it recorded before: the bf16 score
+
+
+def _frozen_net() -> nn.Module:
+    model = _net(p=0.0)
+    model[0].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda f, m, o: m[0].requires_grad_(True), "other parameters set to train"),
+    (lambda f, m, o: o.param_groups[0].__setitem__("lr", 0.01), "parameter group 0's lr 0.01 where the"),
+    (lambda f, m, o: o.add_param_group({"params": list(m[0].parameters())}), "2 parameter groups where the "
+                                                                              "copies have 1"),
+])
+def test_a_change_to_your_objects_alone_mid_run_is_refused_at_the_next_step(change, match):
+    model = _frozen_net()
+    opt = _sgd(model)
+    forks = hpx.Forks(model, opt, total_steps=STEPS, probe=PROBE)
+    for b in BATCHES[:5]:
+        forks.step(_loss, b)
+    change(forks, model, opt)
+    with pytest.raises(hpx.ConfigError, match=match + r".*forks.each\(lambda replica"):
+        forks.step(_loss, BATCHES[5])
+
+
+def test_forks_each_changes_every_fork_alike_and_the_kept_run_is_plain_training():
+    def unfreeze(replica):
+        replica.model[0].requires_grad_(True)
+        replica.optimizer.add_param_group({"params": list(replica.model[0].parameters()), "lr": 0.02})
+
+    model = _frozen_net()
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE, confidence=1e9)
+    for i, b in enumerate(BATCHES[:STEPS]):
+        if i == 5:
+            forks.each(unfreeze)
+        forks.step(_loss, b)
+    assert len(forks.history) == 3 and forks.factor == 1.0
+
+    ref = _frozen_net()
+    _plain_loop(ref, _sgd(ref), change=lambda i, m, o: unfreeze(_Replica(m, o)) if i == 5 else None)
+    assert _same(model, ref)
+
+
+class _Replica:
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer = model, optimizer
