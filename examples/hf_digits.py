@@ -78,6 +78,9 @@ def main() -> None:
         print(f"ForksTrainer: the run ended at {trainer.forks.factor:g}x your lr; "
               f"test accuracy {accuracy(trainer.model, test):.3f}")
         print(f"plain Trainer at your lr: test accuracy {accuracy(plain.model, test):.3f}")
+    del trainer, plain  # their DDP wrappers first: a gloo group left to interpreter shutdown can abort it
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
