@@ -515,7 +515,8 @@ def test_a_checkpoint_records_its_settings(digits):
                         mode="independent")
     rec = engine.state_dict()["settings"]
     assert rec["sync_every"] == 7 and rec["mode"] == "independent" and rec["replicas"] == 2
-    assert rec["search"] == "HDET" and rec["knobs"] == [["lr", "LearningRate", "mul", ["lr of parameter group 0"]]]
+    assert rec["search"] == "HDET"
+    assert rec["knobs"] == [["lr", "LearningRate", "mul", ["lr of parameter group 0"]]]
 
 
 def test_global_rng_untouched(digits):

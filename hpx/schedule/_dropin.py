@@ -44,6 +44,8 @@ class _Solo:
             k.resolve_base(rep)
         self._pairs = [(k, k.bind(rep)) for k in knobs]
         self.step_count = start
+        if start:  # resuming torch-style (last_epoch): the decay of the syncs passed
+            knobs.load_state_dict(_decayed(knobs, config, knobs.state_dict(), start))
         self.write()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -90,6 +92,7 @@ class _Driven:
         self.engine = engine
         if start:  # resuming torch-style (last_epoch): syncs stay on multiples of sync_every
             state = {**engine.state_dict(), "step": start}
+            state["knobs"] = _decayed(engine.knobs, engine.config, state["knobs"], start)
             del state["next_sync"]
             self._load(state)
 
@@ -163,8 +166,14 @@ class _Scheduler(LRScheduler):
     ) -> None:
         n = backend.world_size
         if n > 1 and model is not None:
+            if getattr(optimizer, "_hpx_driven", False):
+                raise ConfigError([f"this optimizer already has an hpx scheduler with replicas to explore; "
+                                   f"a second {type(self).__name__} on it would build a second search over "
+                                   "the same model: wrap one torch ChainedScheduler of your schedulers "
+                                   "instead, hpx.ExploreLR(ChainedScheduler([...]), model=...)"])
             engine = Engine(model, optimizer, Knobs(*knobs), backend=backend, signal=signal, config=config)
             self._driver = _Driven(engine, start)
+            optimizer._hpx_driven = True  # type: ignore[attr-defined]
         else:
             if n == 1 and _any_positive(spread):
                 warnings.warn(
@@ -177,6 +186,7 @@ class _Scheduler(LRScheduler):
         _track_optimizer_step(optimizer)
         self._step_count = 1
         self._last_lr = _lrs(self.optimizer)
+        optimizer._hpx_wrote = self._last_lr  # type: ignore[attr-defined]
 
     # --- torch's scheduler interface ------------------------------------------------------
 
@@ -209,6 +219,7 @@ class _Scheduler(LRScheduler):
                             f"(got {type(epoch).__name__}: {epoch!r})")
         if self._step_count == 1:
             _warn_like_torch(self.optimizer)
+        ConfigError.check(_changed_problems(self))
         self._step_count += 1
         if epoch is not None:
             warnings.warn(EPOCH_DEPRECATION_WARNING, UserWarning, stacklevel=2)
@@ -220,6 +231,18 @@ class _Scheduler(LRScheduler):
         self._driver.advance(loss, batch, loss_fn)
         self._after_step()
         self._last_lr = _lrs(self.optimizer)
+        self.optimizer._hpx_wrote = self._last_lr  # type: ignore[attr-defined]  # what hpx last wrote into it
+
+    def _initial_step(self) -> None:
+        """What torch's ``SequentialLR`` calls on its first child (after rewinding every child's
+        ``last_epoch``): refused, as the restart it calls at a milestone, since hpx's own step count
+        and exploration do not follow them."""
+        raise ConfigError([f"hpx.{type(self).__name__} cannot run inside torch's SequentialLR, which rewinds "
+                           "and restarts its schedulers: put the SequentialLR inside hpx.ExploreLR instead, "
+                           "hpx.ExploreLR(SequentialLR(optimizer, [...], milestones=[...]), ...)"])
+
+    def _update_lr(self, epoch: int | None = None) -> None:
+        self._initial_step()
 
     def get_last_lr(self) -> list[float | torch.Tensor]:
         """The learning rates last written into this process's optimizer, one per param group."""
@@ -296,6 +319,7 @@ class _Scheduler(LRScheduler):
         self._step_count = int(state_dict["_step_count"])
         self.base_lrs = list(state_dict["base_lrs"])
         self._last_lr = list(state_dict["_last_lr"])
+        self.optimizer._hpx_wrote = None  # type: ignore[attr-defined]  # yours may load after: not checked
 
     def _adopt(self, state: dict[str, Any]) -> None:
         raise ConfigError([f"this state_dict has no hpx state (keys: {sorted(state)}): it was not saved by "
@@ -306,10 +330,13 @@ class _Scheduler(LRScheduler):
         own = dict(self._driver.state_dict())
         own.pop("next_sync", None)  # recomputed from the step, on the sync grid
         own["step"] = step
+        knobs = self._driver.engine.knobs if isinstance(self._driver, _Driven) else self._driver.knobs
+        own["knobs"] = _decayed(knobs, self._driver.config, own["knobs"], step)
         self._driver.load_state_dict(own)
         self.last_epoch = step
         self._step_count = int(state.get("_step_count", step + 1))
         self._last_lr = _lrs(self.optimizer)
+        self.optimizer._hpx_wrote = None  # type: ignore[attr-defined]  # yours may load after: not checked
 
     # --- what subclasses provide ------------------------------------------------------------
 
@@ -329,6 +356,41 @@ class _Scheduler(LRScheduler):
 
     def _load_own_state(self, state: dict[str, Any]) -> None:
         raise NotImplementedError
+
+
+def _changed_problems(sched: _Scheduler) -> list[str]:
+    """The optimizer's learning rates changed since an hpx scheduler last wrote them: another
+    scheduler steps the same optimizer, or an lr was set by hand (hpx would overwrite it). Float
+    learning rates only (a tensor's is overwritten in place, as torch's schedulers do)."""
+    wrote, now = getattr(sched.optimizer, "_hpx_wrote", None), _lrs(sched.optimizer)
+    if wrote is None or len(wrote) != len(now) or all(
+            a == b or type(a) is not float or type(b) is not float for a, b in zip(wrote, now)):
+        return []
+    return [f"the optimizer's learning rates are {_shown(now)} where hpx.{type(sched).__name__} wrote "
+            f"{_shown(wrote)}: another scheduler steps this optimizer (or an lr was set by hand), and hpx "
+            "would overwrite its change at this step. Let one scheduler drive the optimizer: put yours "
+            "inside, hpx.ExploreLR(torch.optim.lr_scheduler.ChainedScheduler([...]))"]
+
+
+def _shown(lrs: list[Any]) -> str:
+    return "[" + ", ".join(f"{float(v):.6g}" for v in lrs) + "]"
+
+
+def _decayed(knobs: Knobs, config: EngineConfig, state: dict[str, Any], start: int) -> dict[str, Any]:
+    """``state`` (a :class:`Knobs` state at step 0) with the multiplicative bases decayed by every
+    sync a run continued at ``start`` has passed (the paper rule's ``1 - gamma`` at each multiple of
+    ``sync_every`` from the handover on; what its syncs do without a signal, one at a time)."""
+    T = config.sync_every
+    passed = 0 if not (config.decay and config.controller) else max(
+        0, start // T - (-(-max(config.warmup, 1) // T)) + 1)
+    if not passed:
+        return state
+    out = {**state, "knobs": [dict(s) for s in state["knobs"]]}
+    for k, s in zip(knobs, out["knobs"]):
+        if k.explore and k.kind == "mul":
+            for _ in range(passed):
+                s["base"] = k.clamp(s["base"] * (1 - config.decay))
+    return out
 
 
 def _track_optimizer_step(optimizer: torch.optim.Optimizer) -> None:

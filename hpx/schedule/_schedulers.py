@@ -152,6 +152,7 @@ class OneCycleLR(_Scheduler):
             if isinstance(self._driver, _Solo):
                 self._driver.write()
             self._last_lr = _lrs(optimizer)
+            optimizer._hpx_wrote = self._last_lr  # type: ignore[attr-defined]
 
     @property
     def shape(self) -> OneCycleShape:

@@ -68,10 +68,13 @@ def _shadow_optimizer(optimizer: torch.optim.Optimizer) -> _ShadowOptimizer:
         shadow = _ShadowOptimizer(optimizer)
         _SHARED[optimizer] = weakref.ref(shadow)
         return shadow
-    for mine, theirs in zip(shadow.param_groups, optimizer.param_groups):
+    wrote = getattr(optimizer, "_hpx_wrote", None)  # the lrs the live ExploreLRs last wrote
+    for i, (mine, theirs) in enumerate(zip(shadow.param_groups, optimizer.param_groups)):
         for k, v in theirs.items():  # entries a scheduler built since has added (base_momentum, ...)
             if k not in mine:
                 mine[k] = _shadow_value(v)
+        if wrote is not None and i < len(wrote) and wrote[i] != theirs["lr"]:
+            mine["lr"] = _shadow_value(theirs["lr"])  # set by hand since: the new scheduler starts from it
     return shadow
 
 
@@ -236,7 +239,12 @@ def read_schedule(scheduler: LRScheduler,
     n = len(shadow.optimizer.param_groups)
     lrs, momenta = [], []
     for t in range(min(total_steps, _EAGER_STEPS) + 1):
-        lrs.append([shadow.lr(g, t) for g in range(n)])
+        try:
+            lrs.append([shadow.lr(g, t) for g in range(n)])
+        except ValueError as e:  # torch's OneCycleLR past its total_steps: "Tried to step ... times"
+            raise ConfigError([f"the schedule {type(scheduler).__name__} ends before the run's total_steps="
+                               f"{total_steps}: stepping it to step {t} raised ({e}); build it for the run's "
+                               "length, or give total_steps the schedule's"]) from None
         if shadow.cycles_momentum:
             momenta.append([shadow.momentum(g, t) for g in range(n)])
     peaks = [max(row[g] for row in lrs) for g in range(n)]
