@@ -156,6 +156,11 @@ class _Fork:
         self.apply(knobs)
 
 
+def model_params(f: _Fork) -> Iterable[torch.Tensor]:
+    """What ``max_grad_norm`` clips in a fork: its model's parameters, as in a plain loop."""
+    return f.model.parameters()
+
+
 def bind_scalers(start: _Fork, trained: Sequence[_Fork], scaler: Any) -> None:
     """Each fork's own ``torch.amp.GradScaler``: yours for your run (``start``); for every other
     fork a copy of yours made when it is first trained with one (a saved state loaded into it).

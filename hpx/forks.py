@@ -62,6 +62,7 @@ from hpx._forks import (
     common_draws,
     knob_values,
     knobs_problems,
+    model_params,
     paired_gain,
     state_problems,
     type_name,
@@ -223,6 +224,9 @@ class Forks:
         self.fork_steps = 0  # optimizer steps of every fork and copy: the search's cost in steps
         self._fresh = True  # no backward yet in this optimizer step
         self._outside = False  # your run is trained by a framework (the Hugging Face Trainer), not here
+        # what a framework clips (Lightning: the optimizer's parameters) and zeroes (HF Trainer: the model)
+        self._clip_params: Callable[[_Fork], Iterable[torch.Tensor]] = model_params
+        self._zero_model = False
         self._warned = False
         self.history: list[SyncRecord] = []
 
@@ -286,7 +290,7 @@ class Forks:
             f.scaler.unscale_(f.optimizer)
         norms = None
         if max_grad_norm is not None:  # the annealed copies too, as their forks are (norms not shown)
-            clipped = [torch.nn.utils.clip_grad_norm_(f.model.parameters(), float(max_grad_norm))
+            clipped = [torch.nn.utils.clip_grad_norm_(self._clip_params(f), float(max_grad_norm))
                        for f in trained]
             norms = torch.stack([n for f, n in zip(trained, clipped) if f.ramp is None])
         for f in trained:
@@ -311,6 +315,8 @@ class Forks:
         if self._fresh:
             for f in trained:
                 f.optimizer.zero_grad(set_to_none=True)
+                if self._zero_model:
+                    f.model.zero_grad(set_to_none=True)
             self._fresh = False
         return trained
 

@@ -285,7 +285,8 @@ class ForksCallback(pl.Callback):
         self._trainer: pl.Trainer | None = None
         self._last_step = 0
         self._batch: tuple[Any, int] | None = None
-        self._before: Any = None
+        self._before: Any = None  # the random streams as your run's training_step found them
+        self._layout: Any = None  # the first batch's layout, to tell that training_step changed it
 
     # --- Lightning hooks ---------------------------------------------------------------
 
@@ -297,6 +298,12 @@ class ForksCallback(pl.Callback):
         problems = _forks_problems(trainer, pl_module)
         if problems:  # the run's length may be among them: nothing below can be built
             raise ConfigError(problems)
+        if self.forks is not None:
+            raise ConfigError([f"this ForksCallback searched a fit already (to step {self.forks.step_count}, "
+                               f"its multiple {self.forks.factor:g}x): another fit would start a new search "
+                               "mid-run on a schedule built for the whole of it. Train on without the "
+                               "callback (your module holds the winner), or fit a fresh Trainer with a "
+                               "fresh ForksCallback"])
         if trainer.global_step > 0 and self._pending is None and self.forks is None:
             problems.append(f"resuming at step {trainer.global_step} from a checkpoint that holds no hpx "
                             "state (saved without ForksCallback?): the forks would start mid-run on a "
@@ -309,34 +316,39 @@ class ForksCallback(pl.Callback):
 
             backend = TorchDistributed()
         configs = trainer.strategy.lr_scheduler_configs
-        fn = self.loss_fn
+        fn, convert = self.loss_fn, trainer.precision_plugin.convert_input  # a "bf16-true" module's dtype
         self._trainer = trainer
         with _detached(pl_module):  # the forks are copies of your module, not of the trainer it holds
             self.forks = hpx.Forks(pl_module, trainer.optimizers[0],
                                    total_steps=int(trainer.estimated_stepping_batches),
                                    schedule=configs[0].scheduler if configs else None, probe=self.probe,
-                                   loss_fn=lambda rep, b: fn(rep.model, b), backend=backend,
+                                   loss_fn=lambda rep, b: fn(rep.model, convert(b)), backend=backend,
                                    **_forks_settings(self.settings, self._log))
             self.forks._outside = True  # Lightning trains your run; hpx the others
+            self.forks._clip_params = _optimizer_params  # Lightning clips the optimizer's, in its order
             if self._pending is not None:
                 saved, self._pending = self._pending, None
                 _load_forks_state(self.forks, saved)
         self._last_step = trainer.global_step
+        _snapshot_at_training_step(self, trainer, pl_module)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        from hpx._forks import _device, _rng_get
+        from hpx._fork_probe import _layout
 
-        self._batch, self._before = (batch, batch_idx), _rng_get(_device(pl_module))
+        first = self.forks is not None and self.forks.step_count == 0
+        self._batch, self._layout = (batch, batch_idx), _layout(batch) if first else None
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Your run has taken this micro-batch's forward and backward: every other fork (and a cut's
         annealed copies) takes its own on the same batch, drawing the random numbers your run drew."""
+        from hpx._fork_probe import batch_changed
         from hpx._forks import _device, _rng_get, _rng_set
 
         if self.forks is None or self._batch is None:
             return
         batch, batch_idx = self._batch
+        ConfigError.check(batch_changed(self._layout, batch, "training_step"))  # at the first step
         device = _device(pl_module)
         after = _rng_get(device)
         trained = self.forks._open()
@@ -374,6 +386,7 @@ class ForksCallback(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """A fit that stops before its last step (``EarlyStopping``, ``max_time``) decides now."""
+        trainer.strategy.__dict__.pop("training_step", None)  # the strategy's own again
         if self.forks is not None and not self.forks.decided:
             with _detached(pl_module):
                 self.forks.converge()
@@ -384,6 +397,7 @@ class ForksCallback(pl.Callback):
         import gc
         import multiprocessing
 
+        trainer.strategy.__dict__.pop("training_step", None)
         if stage == "fit" and trainer.world_size > 1 and multiprocessing.parent_process() is not None:
             self.forks = None
             gc.collect()
@@ -411,6 +425,28 @@ class ForksCallback(pl.Callback):
         trainer.callback_metrics.update({k: torch.tensor(v) for k, v in metrics.items()})
         for lg in trainer.loggers:
             lg.log_metrics(metrics, step=trainer.global_step)
+
+
+def _optimizer_params(f: Any) -> list[torch.Tensor]:
+    """What Lightning clips: the optimizer's parameters, group by group (``main_params``)."""
+    return [p for g in f.optimizer.param_groups for p in g["params"]]
+
+
+def _snapshot_at_training_step(callback: ForksCallback, trainer: pl.Trainer,
+                               pl_module: pl.LightningModule) -> None:
+    """Take the random streams at the moment your run's ``training_step`` starts (the strategy calls
+    it), after every ``on_train_batch_start`` hook (the module's own, and callbacks' listed after
+    this one) has drawn what it draws: each fork's step then draws what your run's drew."""
+    from hpx._forks import _device, _rng_get
+
+    strategy = trainer.strategy
+    own = type(strategy).training_step
+
+    def training_step(*args: Any, **kwargs: Any) -> Any:
+        callback._before = _rng_get(_device(pl_module))
+        return own(strategy, *args, **kwargs)
+
+    strategy.training_step = training_step  # type: ignore[method-assign]
 
 
 def _picklable(callback: pl.Callback, kind: str) -> dict[str, Any]:
@@ -457,7 +493,8 @@ def _clocked(copy_: pl.LightningModule, trainer: pl.Trainer) -> None:
                 "__module__": cls.__module__, "__qualname__": cls.__qualname__,
                 "global_step": property(lambda self: self._hpx_clock[0]),
                 "current_epoch": property(lambda self: self._hpx_clock[1]),
-                "trainer": property(_no_trainer, pl.LightningModule.trainer.fset)})
+                "trainer": property(_no_trainer, pl.LightningModule.trainer.fset),
+                "logger": property(lambda self: _no_trainer(self).logger)})
         copy_.__class__ = _CLOCKED[cls]
     copy_._hpx_clock = (trainer.global_step, trainer.current_epoch)
 
@@ -465,8 +502,8 @@ def _clocked(copy_: pl.LightningModule, trainer: pl.Trainer) -> None:
 def _no_trainer(module: pl.LightningModule) -> Any:
     if module._trainer is None:
         raise ConfigError(["training_step read self.trainer (or what reads it: self.lr_schedulers(), "
-                           "self.optimizers(), self.print) in a fork's copy of your module, which has no "
-                           "trainer: ForksCallback runs your training_step for every fork. Read "
+                           "self.optimizers(), self.print, self.logger) in a fork's copy of your module, "
+                           "which has no trainer: ForksCallback runs your training_step for every fork. Read "
                            "self.global_step and self.current_epoch (your run's), and the lr in a callback "
                            "or with LearningRateMonitor"])
     return module._trainer
@@ -501,9 +538,23 @@ def _forks_problems(trainer: pl.Trainer, module: pl.LightningModule) -> list[str
     if not isinstance(trainer.strategy, (DDPStrategy, SingleDeviceStrategy)):
         problems.append(f"ForksCallback keeps a whole copy of the module per fork on every process; it runs "
                         f"on one device or under DDP, not under {type(trainer.strategy).__name__}")
-    from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
+    from lightning.pytorch.callbacks import (
+        BaseFinetuning,
+        GradientAccumulationScheduler,
+        StochasticWeightAveraging,
+    )
 
+    changed = [h for h in ("backward", "configure_gradient_clipping", "optimizer_step", "optimizer_zero_grad")
+               if getattr(type(module), h) is not getattr(pl.LightningModule, h)]
+    if changed:
+        problems.append(f"the module overrides {', '.join(changed)}, which Lightning runs for your run only "
+                        "(hpx steps the other forks itself): the forks would not train as your run does. "
+                        "Leave the hook to Lightning (clip with gradient_clip_val)")
     callbacks = trainer.callbacks
+    if any(isinstance(c, BaseFinetuning) for c in callbacks):
+        problems.append("a BaseFinetuning callback (BackboneFinetuning) unfreezes layers and adds parameter "
+                        "groups to your run's optimizer alone: leave it out, or unfreeze in every fork from "
+                        "a callback of your own, with forks_callback.forks.each(lambda replica: ...)")
     if any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
         problems.append("StochasticWeightAveraging writes your run's weight average over the forks' winner "
                         "at the fit's end (and swaps in its own schedule the forks do not follow): leave it "

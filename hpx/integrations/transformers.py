@@ -202,9 +202,11 @@ class AutoLR(TrainerCallback):
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
-    """The loss in a model's output: ``output["loss"]`` (a dict or a ``ModelOutput``), the output
-    itself when it is one number, else ``None``."""
-    loss = output.get("loss") if isinstance(output, dict) else output
+    """The loss in a model's output: ``output["loss"]`` (a dict or a ``ModelOutput``), the first of a
+    tuple (``(loss, logits)``, as the Trainer reads it), the output itself when it is one number,
+    else ``None``."""
+    loss = (output.get("loss") if isinstance(output, dict)
+            else output[0] if isinstance(output, (tuple, list)) and output else output)
     return loss if torch.is_tensor(loss) and loss.numel() == 1 else None
 
 
@@ -295,6 +297,7 @@ class ForksTrainer(Trainer):
                       num_items_in_batch: Any = None) -> torch.Tensor:
         """Your run's step as the Trainer takes it, then the same step of every other fork (and of
         a cut's annealed copies) on the same inputs, each drawing the random numbers your run drew."""
+        from hpx._fork_probe import _layout, batch_changed
         from hpx._forks import _device, common_draws
 
         more = () if num_items_in_batch is None else (num_items_in_batch,)  # transformers < 4.46: none
@@ -302,8 +305,14 @@ class ForksTrainer(Trainer):
         if forks is None:  # not training: the Trainer's own step
             return step(model, inputs, *more)
         trained = forks._open()
+        before = _layout(inputs) if forks.step_count == 0 else None
         calls = [lambda m=f.model: step(m, inputs, *more) for f in trained]
-        loss = common_draws(_device(self.model), [lambda: step(model, inputs, *more), *calls])[0]
+        try:
+            loss = common_draws(_device(self.model), [lambda: step(model, inputs, *more), *calls])[0]
+        except Exception:  # a later fork's KeyError after your compute_loss popped an entry
+            ConfigError.check(batch_changed(before, inputs, "compute_loss (or training_step)"))
+            raise
+        ConfigError.check(batch_changed(before, inputs, "compute_loss (or training_step)"))
         _forks_reached(forks, trained)
         return loss
 
@@ -351,6 +360,7 @@ class ForksTrainer(Trainer):
                                loss_fn=lambda rep, b: (fn or _model_loss)(rep.model, b),
                                **_forks_settings(self.forks_settings, self._log_forks))
         self.forks._outside = True  # the Trainer trains your run; hpx the others
+        self.forks._zero_model = True  # the Trainer zeroes the model's gradients, not only the optimizer's
         if state.global_step > 0:  # resumed: the Trainer has loaded your model, optimizer and scheduler
             path = os.path.join(self._checkpoint(state), _FORKS_FILE.format(rank=self.forks.collective.rank))
             if not os.path.exists(path):

@@ -341,3 +341,89 @@ def test_what_would_train_something_other_than_the_winner_is_refused_before_a_st
         trainer.fit(module, loader(32))
     if case != "wrapped":  # refused before any step (the wrapped one at its first)
         assert _same(_params(module), before)
+
+
+class _Mutates(Dropped):
+    def training_step(self, batch, batch_idx):
+        batch[0].mul_(2)  # in place: the forks after your run's would see doubled inputs
+        return super().training_step(batch, batch_idx)
+
+
+class _DrawsAtBatchStart(Dropped):
+    def on_train_batch_start(self, batch, batch_idx):
+        torch.rand(1)  # the module's own hook runs after every callback's: the forks drew before it
+
+
+class _HeadGroups(Dropped):
+    """The usual groups (biases without decay, listed first): Lightning clips the optimizer's
+    parameters in this order, and the norm's sum with them."""
+
+    def configure_optimizers(self):
+        named = list(self.named_parameters())
+        biases = [p for n, p in named if n.endswith("bias")]
+        return torch.optim.AdamW([{"params": biases, "weight_decay": 0.0},
+                                  {"params": [p for n, p in named if not n.endswith("bias")]}], lr=self.lr)
+
+
+class _Clips(Dropped):
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        self.clip_gradients(optimizer, gradient_clip_val=0.01, gradient_clip_algorithm="norm")
+
+
+class _LogsThroughLogger(Dropped):
+    def training_step(self, batch, batch_idx):
+        self.logger.log_metrics({"x": 1.0}, step=self.global_step)
+        return super().training_step(batch, batch_idx)
+
+
+class _Unfreezes(pl.callbacks.BaseFinetuning):
+    def freeze_before_training(self, pl_module):
+        self.freeze(pl_module.net[0])
+
+    def finetune_function(self, pl_module, epoch, optimizer):
+        if epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.net[0], optimizer)
+
+
+def test_a_training_step_that_changes_the_batch_is_refused_at_the_first_step(tmp_path):
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    with pytest.raises(ConfigError, match="training_step changed the batch it was given"):
+        _fit(tmp_path / "f", _Mutates(lr=0.001, steps=20), 20, [cb])
+
+
+@pytest.mark.parametrize("module, kw", [(_DrawsAtBatchStart, {}), (_HeadGroups, {"gradient_clip_val": 0.05})],
+                         ids=["draws-in-on_train_batch_start", "clipped-groups"])
+def test_a_winner_is_plain_lightning_with_draws_before_training_step_and_clipped_groups(tmp_path, module, kw):
+    """The forks drew their masks before the module's on_train_batch_start drew, and clipped over the
+    model's parameters where Lightning clips the optimizer's, group by group (a norm summed in another
+    order): either left the winner off plain Lightning at its multiple."""
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    mine = module(lr=0.001, steps=40)
+    _fit(tmp_path / "f", mine, 40, [cb], **kw)
+    assert cb.forks.factor != 1.0
+    plain = module(lr=0.001 * cb.forks.factor, steps=40)
+    _fit(tmp_path / "p", plain, 40, **kw)
+    assert _same(_params(mine), _params(plain))
+
+
+@pytest.mark.parametrize("case", ["clipping-hook", "finetuning", "second-fit", "logger"])
+def test_what_runs_for_your_run_alone_is_refused_naming_it(tmp_path, case):
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    module = {"clipping-hook": _Clips, "logger": _LogsThroughLogger}.get(case, Dropped)(lr=0.001, steps=20)
+    callbacks = [cb]
+    if case == "finetuning":
+        callbacks.append(_Unfreezes())
+    if case == "second-fit":
+        _fit(tmp_path / "a", module, 20, callbacks)
+    words = {"clipping-hook": "the module overrides configure_gradient_clipping",
+             "finetuning": "a BaseFinetuning callback", "second-fit": "this ForksCallback searched a fit",
+             "logger": r"self.logger\) in a fork's copy"}[case]
+    with pytest.raises(ConfigError, match=words):
+        _fit(tmp_path / "b", module, 20 if case != "second-fit" else 40, callbacks)
+
+
+def test_bf16_true_precision_scores_the_probe_in_the_modules_dtype(tmp_path):
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2)
+    module = Dropped(lr=0.001, steps=20)
+    _fit(tmp_path / "f", module, 20, [cb], precision="bf16-true")
+    assert cb.forks.decided and all(p.dtype == torch.bfloat16 for p in module.parameters())

@@ -4,6 +4,7 @@ plain Trainer runs."""
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 
 import pytest
@@ -219,3 +220,50 @@ def test_torch_compile_with_dropout_is_refused_before_a_step(tmp_path):
     with pytest.raises(hpx.ConfigError, match="torch_compile=True with dropout"):
         t.train()
     assert all(torch.equal(a, b) for a, b in zip(before, t.model.parameters()))
+
+
+class _Doubles(ForksTrainer):
+    def compute_loss(self, model, inputs, **kw):
+        inputs["x"].mul_(2)  # in place: the forks after your run's would see doubled inputs
+        return super().compute_loss(model, inputs, **kw)
+
+
+def test_a_compute_loss_that_changes_the_batch_is_refused_at_the_first_step(tmp_path):
+    t = _Doubles(model=Tiny(), args=forks_args(tmp_path, 20, 1e-3), train_dataset=train_set(), probe=probe(),
+                 forks={"multiples": POW2})
+    with pytest.raises(hpx.ConfigError, match=r"compute_loss \(or training_step\) changed the batch"):
+        t.train()
+
+
+def test_a_head_only_optimizer_with_clipping_gives_a_winner_that_is_the_plain_trainer(tmp_path):
+    """The Trainer zeroes every parameter's gradient (model.zero_grad()); the forks zeroed only their
+    optimizer's, so the body's gradients piled up in each fork and entered its clipping norm."""
+    from transformers import Trainer
+
+    def head(lr):
+        model = Tiny()
+        return model, torch.optim.SGD(model.net[-1].parameters(), lr=lr, momentum=0.9)
+
+    model, opt = head(1e-3)
+    t = ForksTrainer(model=model, args=forks_args(tmp_path / "f", 40, 1e-3, max_grad_norm=0.05),
+                     train_dataset=train_set(), probe=probe(), optimizers=(opt, None),
+                     forks={"multiples": POW2, "confidence": 0.0})
+    t.train()
+    assert t.forks.factor != 1.0
+    plain_model, plain_opt = head(1e-3 * t.forks.factor)
+    Trainer(model=plain_model, args=forks_args(tmp_path / "p", 40, 1e-3, max_grad_norm=0.05),
+            train_dataset=train_set(), optimizers=(plain_opt, None)).train()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain_model.parameters()))
+
+
+class _Tuples(Tiny):
+    def forward(self, x, labels=None):
+        out = super().forward(x, labels)
+        return (out["loss"], out["logits"]) if labels is not None else (out["logits"],)
+
+
+def test_a_model_returning_loss_then_logits_as_a_tuple_is_probed_as_the_trainer_reads_it(tmp_path):
+    t = ForksTrainer(model=_Tuples(), args=forks_args(tmp_path, 20, 1e-3), train_dataset=train_set(),
+                     probe=probe(), forks={"multiples": POW2})
+    t.train()
+    assert t.forks.decided and all(math.isfinite(s) for s in t.forks.history[0].scores)
