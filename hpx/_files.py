@@ -51,6 +51,18 @@ def _complete_for_all(root: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
+def _other_world_problems(root: Path, world: int, elastic_hint: str) -> list[str]:
+    """The newest step whole for a run of another process count than ``world`` (a run resumed on more
+    processes: the extra ranks have no file, so no step is common to every rank)."""
+    for step in _complete_for_all(root):
+        saved = _sidecar_info(root / f"step-{step:09d}" / "rank-00000.pt").get("world_size")
+        if saved != world:
+            return [f"{root}: step {step} was saved by a run of {saved} processes, this one has {world}: "
+                    f"resume with the saved run's process count{elastic_hint}"]
+        return []
+    return []
+
+
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".sha256")
 

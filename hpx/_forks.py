@@ -16,6 +16,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from hpx import _checks
+from hpx._buckets import dtype_groups
 from hpx.errors import ConfigError
 from hpx.knobs.base import Knob
 from hpx.replica import Replica
@@ -156,6 +157,40 @@ class _Fork:
         self.apply(knobs)
 
 
+_APART = ("under torch.distributed some ranks' losses reached a parameter that others' did not (a branch "
+          "or an expert chosen by the data), so its gradient was averaged over some ranks only and the "
+          "ranks' forks drifted apart: make every rank's loss reach every trainable parameter (add 0 * "
+          "head(x).sum() for a branch not taken), or freeze the parameters no loss reaches, as plain DDP "
+          "(without find_unused_parameters) requires too")
+
+
+@torch.no_grad()
+def mean_over_ranks(trained: Sequence[_Fork], collective: Any) -> torch.Tensor | None:
+    """Every fork's gradient <- its mean over the ranks: one all-reduce per (device, dtype) group,
+    holding every trainable parameter (zeros where this rank's loss did not reach it, so that every
+    rank's buffers line up) and how many ranks had its gradient. Returns a device flag (no host
+    read): some parameter's gradient on some ranks and not on others."""
+    world = collective.world_size
+    params = [p for f in trained for p in f.model.parameters() if p.requires_grad]
+    apart = None
+    for idx in dtype_groups(params, skip_empty=True).values():
+        ps = [params[i] for i in idx]
+        has = ps[0].new_ones(len(ps))
+        for j, p in enumerate(ps):
+            if p.grad is None:
+                has[j] = 0
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps]
+                         + [has])
+        collective.all_reduce_sum_([flat])
+        counts, grads = flat[-len(ps):], flat[:-len(ps)].div_(world)
+        for p, part in zip(ps, grads.split([p.numel() for p in ps])):
+            if p.grad is not None:
+                p.grad.copy_(part.view_as(p.grad))
+        odd = ((counts > 0) & (counts < world)).any()
+        apart = odd if apart is None else apart | odd
+    return apart
+
+
 def model_params(f: _Fork) -> Iterable[torch.Tensor]:
     """What ``max_grad_norm`` clips in a fork: its model's parameters, as in a plain loop."""
     return f.model.parameters()
@@ -168,6 +203,8 @@ def bind_scalers(start: _Fork, trained: Sequence[_Fork], scaler: Any) -> None:
     multiple: one scaler for all would let a challenger's overflows shrink your run's scale."""
     if scaler is None:
         return
+    if start.scaler is not scaler and isinstance(start.scaler, dict):  # resumed: yours as it was saved
+        scaler.load_state_dict(start.scaler)
     start.scaler = scaler
     for f in trained:
         if f is not start and not hasattr(f.scaler, "scale"):
@@ -313,7 +350,7 @@ def _stepped_apart(forks: list[_Fork]) -> list[str]:
     (``scheduler.step()`` in your loop as well), or your optimizer's groups or learning rates, or
     which parameters train, changed by hand (host reads only: nothing waits on a device)."""
     start = forks[0]
-    other = next((f for f in forks[1:] if not f.lost), None)
+    other = next((f for f in forks[1:] if not f.lost and f.values == start.values), None)  # an lr fork
     if other is None or start.lost:
         return []
     if start.scheduler is not None and other.scheduler is not None:
@@ -325,18 +362,30 @@ def _stepped_apart(forks: list[_Fork]) -> list[str]:
     mine_g, theirs_g = start.optimizer.param_groups, other.optimizer.param_groups
     what = (f"{len(mine_g)} parameter groups where the copies have {len(theirs_g)}"
             if len(mine_g) != len(theirs_g) else
-            next((f"parameter group {i}'s lr {a['lr']:g} where the copies have {b['lr']:g}"
-                  for i, (a, b) in enumerate(zip(mine_g, theirs_g))
-                  if type(a["lr"]) is float and type(b["lr"]) is float and a["lr"] != b["lr"]), None)
+            next((f"parameter group {i}'s {k} {a[k]!r} where the copies have {b.get(k)!r}"
+                  for i, (a, b) in enumerate(zip(mine_g, theirs_g)) for k in a
+                  if k != "params" and _plain_setting(a[k]) and a[k] != b.get(k)), None)
             or ("other parameters set to train (requires_grad)" if [
                 p.requires_grad for p in start.model.parameters()] != [
-                p.requires_grad for p in other.model.parameters()] else None))
+                p.requires_grad for p in other.model.parameters()] else None)
+            or ("another dropout rate" if _rates(start.model) != _rates(other.model) else None))
     if what is None:
         return []
     return [f"your optimizer or model has {what}: hpx.Forks trains copies of them made when it was built, "
             "and a change made to yours since (a layer unfrozen, a group added, an lr set by hand or by a "
             "scheduler of your own) reaches your run only. Make every fork's change with "
             "forks.each(lambda replica: ...), or make it before hpx.Forks is built"]
+
+
+def _plain_setting(v: Any) -> bool:
+    """A parameter group's setting compared host-side: a number, a flag, a name or a tuple of numbers
+    (betas); a tensor is not read (that would wait on its device)."""
+    return isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(
+        isinstance(x, (int, float)) for x in v))
+
+
+def _rates(model: torch.nn.Module) -> list[float]:
+    return [m.p for m in model.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd)]
 
 
 def common_draws(device: torch.device, calls: Sequence[Callable[[], Any]]) -> list[Any]:

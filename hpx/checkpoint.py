@@ -52,6 +52,7 @@ from hpx._files import (
     _digest,
     _fsync_dir,
     _intact,
+    _other_world_problems,
     _prune,
     _sidecar,
     _write_atomic,
@@ -285,7 +286,10 @@ def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: 
     excluded: set[int] = set()
     while True:
         step = _agree(engine, [s for s in _complete_steps(root, rank) if s not in excluded])
-        if step is None:
+        if step is None:  # not a fresh start when the steps are another process count's: say so
+            hint = "" if isinstance(engine, Forks) else ", or with load_checkpoint(..., elastic=True)"
+            world = _processes(engine).world_size
+            _together(engine, _other_world_problems(root, world, hint), "the checkpoint")
             return None
         path = root / f"step-{step:09d}" / f"rank-{rank:05d}.pt"
         intact = _intact(path, step)

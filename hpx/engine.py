@@ -189,7 +189,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         sharded = _is_sharded(model)  # FSDP2: each rank holds shards; FSDP reduces the gradients
         self._framework_reduces = self._ddp or sharded
         shared = cfg.mode == "shared" and (local > 1 or (world > 1 and not self._framework_reduces))
-        ConfigError.check(_layout_problems(model, cfg, local, self._ddp, sharded, shared))
+        ConfigError.check(_layout_problems(model, cfg, local, self._ddp, sharded, shared)
+                          + _sharded_problems(sharded, self.collective))
         prepare = getattr(self.collective, "prepare_model", None)
         if prepare is not None:  # e.g. keep one rank's NaN gradient out of DDP's mean
             model = prepare(model)
@@ -505,6 +506,18 @@ def _layout_problems(model: torch.nn.Module, cfg: EngineConfig, local: int, ddp:
                         "gradient mean (dense buckets) does not take: build the engine with "
                         "mode='independent', or the module with sparse=False")
     return problems
+
+
+def _sharded_problems(sharded: bool, collective: Collective) -> list[str]:
+    """A sharded (FSDP2) model on a backend that takes each process for a whole replica: the
+    broadcast at construction would copy rank 0's shards over the others' (another part of the
+    model), and every average would mix different slices."""
+    if not sharded or collective.world_size == 1 or hasattr(collective, "process_rank"):  # Mesh: shard groups
+        return []
+    return [f"the model is sharded (FSDP2: each process holds a slice of it), and the backend "
+            f"{type(collective).__name__} takes each process for a whole replica: give "
+            "backend=hpx.backends.Mesh(mesh) with the device mesh the model was sharded on (replicas along "
+            "its replicate dim; examples/torchrun_fsdp.py)"]
 
 
 def _build_replicas(model: torch.nn.Module, optimizer: Union[OptimizerFactory, torch.optim.Optimizer],

@@ -26,6 +26,11 @@ class ConfigError(HpxError, ValueError):
         head = "1 problem" if n == 1 else f"{n} problems"
         super().__init__(f"{head}: " + "; ".join(self.problems))
 
+    def __reduce__(self) -> tuple[type, tuple[list[str]]]:
+        # pickled with its problems (a process pool, torch.multiprocessing): Exception's default
+        # would rebuild it from the message, one problem per character
+        return type(self), (self.problems,)
+
     @staticmethod
     def check(problems: Iterable[str]) -> None:
         """Raise a ConfigError listing ``problems`` if there are any."""

@@ -45,9 +45,9 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hpx import _checks
-from hpx._buckets import dtype_groups
 from hpx._fork_probe import _layout, first_checked, mean_score, probe_losses, probes_alike, ranks_start_alike
 from hpx._forks import (
+    _APART,
     _FORMAT,
     _LOST,
     _SETTINGS,
@@ -62,6 +62,7 @@ from hpx._forks import (
     common_draws,
     knob_values,
     knobs_problems,
+    mean_over_ranks,
     model_params,
     paired_gain,
     state_problems,
@@ -69,7 +70,7 @@ from hpx._forks import (
 )
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
-from hpx.errors import ConfigError, NonFiniteError
+from hpx.errors import ConfigError, ConsistencyError, NonFiniteError
 from hpx.history import _fork_label
 from hpx.knobs.base import Knob
 from hpx.replica import Replica
@@ -227,6 +228,7 @@ class Forks:
         # what a framework clips (Lightning: the optimizer's parameters) and zeroes (HF Trainer: the model)
         self._clip_params: Callable[[_Fork], Iterable[torch.Tensor]] = model_params
         self._zero_model = False
+        self._apart: torch.Tensor | None = None  # on device: a gradient some ranks had and others not
         self._warned = False
         self.history: list[SyncRecord] = []
 
@@ -328,17 +330,11 @@ class Forks:
 
     @torch.no_grad()
     def _reduce(self, trained: list[_Fork]) -> None:
-        """Every fork's gradient <- its mean over the ranks (one all-reduce per dtype group)."""
-        world = self.collective.world_size
-        if world == 1:
-            return
-        grads = [p.grad for f in trained for p in f.model.parameters() if p.grad is not None]
-        for idx in dtype_groups(grads, skip_empty=True).values():
-            flat = torch.cat([grads[i].reshape(-1) for i in idx])
-            self.collective.all_reduce_sum_([flat])
-            flat.div_(world)
-            for i, part in zip(idx, flat.split([grads[i].numel() for i in idx])):
-                grads[i].copy_(part.view_as(grads[i]))
+        """Every fork's gradient <- its mean over the ranks (see :func:`hpx._forks.mean_over_ranks`);
+        a parameter some ranks' losses reached and others' did not is named at the next decision."""
+        if self.collective.world_size > 1:
+            apart = mean_over_ranks(trained, self.collective)
+            self._apart = apart if self._apart is None or apart is None else self._apart | apart
 
     def _step_one(self, f: _Fork, scaler: Any) -> None:
         m = f.multiple
@@ -495,6 +491,8 @@ class Forks:
     def _scores(self, forks: list[_Fork], first: bool = False) -> list[float]:
         """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;
         ``inf`` when it is not finite (``nan`` stays on the ``first`` pass, which checks the loss)."""
+        if self._apart is not None and bool(self._apart):  # a decision's host read: not per step
+            raise ConsistencyError(_APART)
         return [mean_score(parts, first) for parts in self._probe_losses(forks, units=False, first=first)]
 
     def _gain(self, a: _Fork, b: _Fork) -> float:

@@ -1,0 +1,145 @@
+"""hpx.Forks and hpx.Engine over several gloo processes where the ranks' set-ups differ in ways a
+user does not see (a branch taken on one rank only, more processes than the checkpoint's, a
+sharded model given to the wrong backend), and the state a resume restores without being asked."""
+
+from __future__ import annotations
+
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hpx
+from hpx.errors import ConfigError, ConsistencyError
+from tests._dist import run_distributed
+from tests.test_forks import BATCHES, PROBE, STEPS, _loss, _net
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self, bias_b: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 1), nn.Linear(16, 1, bias=bias_b)
+
+    def forward(self, x, head: str = "a"):
+        return (self.a if head == "a" else self.b)(torch.tanh(self.body(x)))
+
+
+def _branching(rank: int, world: int, bias_b: bool) -> str:
+    """Rank 0's batches take head a, rank 1's head b (a branch chosen by the data)."""
+    model = _TwoHeads(bias_b)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE,
+                      loss_fn=lambda rep, b: F.mse_loss(rep.model(b[0]).squeeze(-1), b[1]),
+                      backend=hpx.backends.TorchDistributed())
+    head = "a" if rank == 0 else "b"
+    try:
+        for b in BATCHES[:20]:
+            forks.step(lambda rep, b: F.mse_loss(rep.model(b[0], head).squeeze(-1), b[1]), b)
+    except ConsistencyError as e:
+        return f"{forks.step_count}: {e}"
+    return "trained"
+
+
+@pytest.mark.parametrize("bias_b", [True, False], ids=["same-sizes", "other-sizes"])
+def test_a_parameter_reached_on_some_ranks_only_is_named_at_the_first_decision(bias_b):
+    """Its gradient was summed into another parameter's (same sizes: the ranks ended apart without a
+    word) or gloo aborted on buffers of different lengths."""
+    out = run_distributed(_branching, 2, bias_b)
+    steps = [int(o.split(":")[0]) for o in out]
+    assert steps[0] == steps[1] <= 4  # the first cut's decision, not the run's end
+    assert all("under torch.distributed some ranks' losses reached a parameter" in o for o in out)
+
+
+def _save(rank: int, world: int, folder: str) -> None:
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=STEPS, probe=PROBE,
+                      backend=hpx.backends.TorchDistributed())
+    for b in BATCHES[:4]:
+        forks.step(_loss, b)
+    hpx.save_checkpoint(folder, forks)
+
+
+def _load(rank: int, world: int, folder: str) -> str:
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=STEPS, probe=PROBE,
+                      backend=hpx.backends.TorchDistributed())
+    try:
+        return f"resumed at {hpx.load_checkpoint(folder, forks)}"
+    except ConfigError as e:
+        return str(e)
+
+
+def test_resuming_on_more_processes_than_saved_is_refused_naming_the_count(tmp_path):
+    """The extra rank had no file, so no step was common: the run started afresh, with a warning
+    that blamed damaged files."""
+    run_distributed(_save, 2, str(tmp_path))
+    out = run_distributed(_load, 3, str(tmp_path))
+    assert all("step 4 was saved by a run of 2 processes, this one has 3: resume with the saved run's "
+               "process count" in o for o in out)
+
+
+def _sharded(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
+    before = [p.to_local().clone() for p in model.parameters()]
+    try:
+        hpx.Engine(model, torch.optim.SGD(model.parameters(), lr=0.1), [hpx.LearningRate(spread=0.5)],
+                   backend=hpx.backends.TorchDistributed())
+    except ConfigError as e:
+        same = all(torch.equal(a, p.to_local()) for a, p in zip(before, model.parameters()))
+        return f"{same}: {e}"
+    return "accepted"
+
+
+def test_a_sharded_model_on_a_backend_of_whole_replicas_is_refused_naming_mesh():
+    """Rank 0's shards were broadcast over rank 1's (another slice of the model)."""
+    out = run_distributed(_sharded, 2)
+    assert all(o.startswith("True: 1 problem: the model is sharded") and "hpx.backends.Mesh(mesh)" in o
+               for o in out)
+
+
+def test_your_scaler_is_restored_by_a_resume_with_the_forks():
+    def build():
+        model = _net(p=0.0)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=1)
+        return scaler, hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=STEPS,
+                                 probe=PROBE)
+
+    scaler, forks = build()
+    for b in BATCHES[:5]:
+        forks.backward(_loss, b, scaler=scaler)
+        forks.optimizer_step(scaler=scaler)
+    assert scaler.get_scale() == 32.0  # doubled at every step
+    buf = io.BytesIO()
+    torch.save(forks.state_dict(), buf)
+    buf.seek(0)
+    fresh, again = build()
+    again.load_state_dict(torch.load(buf, weights_only=True))
+    again.backward(_loss, BATCHES[5], scaler=fresh)
+    assert fresh.get_scale() == 32.0  # as saved, without being given to the checkpoint
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda m, o: o.param_groups[0].__setitem__("weight_decay", 0.5), "parameter group 0's weight_decay 0.5"),
+    (lambda m, o: setattr(m[2], "p", 0.9), "another dropout rate"),
+])
+def test_other_settings_changed_on_your_objects_alone_are_refused(change, words):
+    model = _net(p=0.2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    forks = hpx.Forks(model, opt, total_steps=STEPS, probe=PROBE)
+    for b in BATCHES[:3]:
+        forks.step(_loss, b)
+    change(model, opt)
+    with pytest.raises(ConfigError, match=words):
+        forks.step(_loss, BATCHES[3])
+
+
+def test_a_config_error_crosses_a_process_boundary_with_its_problems():
+    e = pickle.loads(pickle.dumps(ConfigError(["first problem", "second"])))
+    assert e.problems == ["first problem", "second"] and str(e) == "2 problems: first problem; second"
