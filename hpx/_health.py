@@ -49,7 +49,7 @@ class _Health:
         x = torch.stack([losses.detach().reshape(-1).float(), norms.detach().reshape(-1).float()], 1)
         fin = torch.isfinite(x)
         finite = fin.all(1) if grads else fin[:, 0]
-        over = ((self._ref > 0) & (x > BLOWUP * self._ref) & fin).any(1) & (self._seen >= WARMUP)
+        over = ((self._ref > 0) & (x.abs() > BLOWUP * self._ref) & fin).any(1) & (self._seen >= WARMUP)
         ok = finite & ~over
         kept = torch.where(ok[:, None] & fin, x.abs(), 0.0).amax(0)
         self._pending = torch.maximum(self._pending, kept)
@@ -64,7 +64,7 @@ class _Health:
             fine_norm = math.isfinite(norm)
             ok = math.isfinite(loss) and (fine_norm or not grads)
             if ok and warm:
-                ok = not ((ref[0] > 0 and loss > BLOWUP * ref[0])
+                ok = not ((ref[0] > 0 and abs(loss) > BLOWUP * ref[0])  # a loss may be negative (an NLL)
                           or (fine_norm and ref[1] > 0 and norm > BLOWUP * ref[1]))
             if ok:
                 pending[0] = max(pending[0], abs(loss))

@@ -17,8 +17,8 @@ optimizer's arithmetic instead of ``L``, and one state instead of ``L``.
 
 It is not shareable, and each replica keeps its own state, when the state depends on the
 replica's own weights or values: weight decay added to the gradient (SGD's, Adam's
-``weight_decay`` without ``decoupled_weight_decay``), Adagrad's ``lr_decay``, a knob that
-writes another optimizer setting (momentum, betas), or an optimizer not listed here.
+``weight_decay`` without ``decoupled_weight_decay``, also when a knob or your loop sets it
+later), a knob that writes another optimizer setting (momentum, betas), or an optimizer not listed here.
 """
 
 from __future__ import annotations
@@ -52,14 +52,15 @@ def unshareable(replicas: Sequence[Replica], optimizer_knobs: Sequence[str]) -> 
     other = sorted((set(optimizer_knobs) & set(opt.defaults)) - set(_VALUES))
     if other:
         return f"knobs write the optimizer's {', '.join(other)}, on which its state depends"
+    if "weight_decay" in optimizer_knobs and not all(_decoupled(opt, g) for g in opt.param_groups):
+        return (f"a knob writes the weight decay, which {name} couples into its state through each "
+                "replica's own weights")
     for i, g in enumerate(opt.param_groups):
         if g.get("differentiable") or g.get("capturable") or g.get("fused"):
             return f"parameter group {i} is differentiable, capturable or fused"
         if g.get("weight_decay", 0) and not _decoupled(opt, g):
             return (f"parameter group {i}: {name}'s weight_decay={g['weight_decay']} enters its state "
                     "through each replica's own weights")
-        if isinstance(opt, torch.optim.Adagrad) and g.get("lr_decay", 0):
-            return f"parameter group {i}: Adagrad's lr_decay makes the update nonlinear in lr"
         if isinstance(opt, torch.optim.SGD) and not g.get("momentum", 0):
             return "SGD without momentum keeps no state to share"
     shapes = [[tuple(p.shape) for p in g["params"]] for g in opt.param_groups]
@@ -83,6 +84,15 @@ def _same(a: object, b: object) -> bool:
 def _state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [torch.as_tensor(v) for g in opt.param_groups for p in g["params"]
             for _, v in sorted(opt.state.get(p, {}).items())]
+
+
+def _coupled_decay(opt: torch.optim.Optimizer) -> str | None:
+    """A weight decay set since the engine was built, which this optimizer couples into its state
+    (the shared state's step leaves it out: it would be each replica's own)."""
+    return next((f"parameter group {i} has weight_decay={g['weight_decay']}, which {type(opt).__name__} "
+                 "couples into its state through each replica's own weights"
+                 for i, g in enumerate(opt.param_groups)
+                 if g.get("weight_decay", 0) and not _decoupled(opt, g)), None)
 
 
 def _settings_differ(replicas: Sequence[Replica]) -> str | None:
@@ -165,7 +175,7 @@ class _SharedState:
                          "shared_optimizer_state=False"])
             self.adopt()
             self.engaged = True
-        why = _settings_differ(self.replicas)
+        why = _settings_differ(self.replicas) or _coupled_decay(self.replicas[0].optimizer)
         if why is not None:
             raise ConfigError([f"the replicas share one optimizer state, but {why}: the state depends "
                                "on it; build the engine with shared_optimizer_state=False"])

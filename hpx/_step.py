@@ -29,6 +29,8 @@ class _TrainingStep:
         self._check_factors()
         _checks.check(_checks.loss_fn_problems(loss_fn, batch) + _checks.scale_problems(scale, scaler))
         parts, shared = self._parts(batch, batches)
+        # a batch split unevenly, whose parts' gradients are averaged: each part weighted by its rows
+        weights = _part_weights(parts) if batches is None and self._shared else None
         if self._fresh:  # the first micro-batch of an optimizer step
             # the interval's sums as the step found them: a loss_fn that raises on a later micro-batch
             # drops the whole step, and the losses of its earlier micro-batches leave the sums with it
@@ -39,6 +41,8 @@ class _TrainingStep:
                     and self._controls_now(1)):
                 prepare(SyncContext(self.replicas, self._acc, shared, loss_fn, self.collective,
                                     self.step_count))
+            if self._one is not None or self._grads is not None or self._state is not None:
+                ConfigError.check(_trainable_problems(self.replicas[0], self._trainable))
             self._one_step = self._one is not None
             if self._one is not None:
                 self._one.zero_()
@@ -56,7 +60,8 @@ class _TrainingStep:
                 if not torch.is_tensor(loss) or loss.numel() != 1:
                     raise TypeError(f"loss_fn must return a scalar tensor (got {type(loss).__name__} "
                                     f"of shape {getattr(loss, 'shape', None)})")
-                out = loss * scale if scale != 1 else loss
+                w = scale if weights is None else scale * weights[l]
+                out = loss * w if w != 1 else loss
                 if self._hook is not None:  # DDP: judged with this backward's gradient, in the hook
                     self._hook.loss, self._hook.scaled = loss.detach(), scaler is not None
                 if not self._one_step:
@@ -415,7 +420,8 @@ class _GradBuckets:
 
         Relies on :meth:`zero_` having put the views back before backward.
         """
-        norms = [torch.linalg.vector_norm(b, dim=1, dtype=torch.float32) for b in self.buffers]
+        norms = [torch.linalg.vector_norm(b, dim=1, dtype=None if b.dtype == torch.float64 else torch.float32)
+                 .float() for b in self.buffers]  # float64 norms in float64 (torch will not narrow them)
         verdict = health.judge(losses, norms[0] if len(norms) == 1 else torch.stack(norms).norm(dim=0), grads)
         if isinstance(verdict, list):  # on the host
             if collective.world_size == 1 and all(verdict):
@@ -486,6 +492,32 @@ def _cut(batch: Any, n: int) -> list[Any]:
         cols = {k: _cut(v, n) for k, v in batch.items()}
         return [{k: v[i] for k, v in cols.items()} for i in range(n)]
     return [batch] * n
+
+
+def _trainable(rep: Replica) -> tuple[int, tuple[bool, ...]]:
+    """What the shared mode's gradient buffers and one optimizer state were built on: the number of
+    parameter groups and which parameters train."""
+    return len(rep.optimizer.param_groups), tuple(p.requires_grad for p in rep.model.parameters())
+
+
+def _trainable_problems(rep: Replica, built: tuple[int, tuple[bool, ...]]) -> list[str]:
+    if _trainable(rep) == built:
+        return []
+    return ["the parameters that train changed since the engine was built (a layer unfrozen or frozen, a "
+            "parameter group added): in shared mode the replicas' gradients and optimizer state live in "
+            "buffers built over the parameters that trained then, so the change would train wrongly. "
+            "Make it before building the engine, or save a checkpoint and build a new engine after it"]
+
+
+def _part_weights(parts: list[Any]) -> list[float] | None:
+    """For a batch that does not split evenly (10 examples over 4 replicas: 3, 3, 2, 2), each part's
+    weight ``L * rows / total`` on its mean loss, so that the replicas' mean gradient is the whole
+    batch's; ``None`` when the parts are even."""
+    rows = [next((int(t.shape[0]) for _, t in _leaves(p, "batch") if t.dim()), 0) for p in parts]
+    if len(set(rows)) <= 1 or not all(rows):
+        return None
+    total = sum(rows)
+    return [len(rows) * r / total for r in rows]
 
 
 def _called(loss_fn: LossFn, rep: Replica, part: Any) -> Any:

@@ -39,7 +39,7 @@ from hpx._health import _Health
 from hpx._run_state import _RunState
 from hpx._seed import derive_seed
 from hpx._shared_state import _SharedState, unshareable
-from hpx._step import _GradBuckets, _OneGradient, _TrainingStep
+from hpx._step import _GradBuckets, _OneGradient, _trainable, _TrainingStep
 from hpx._sync import _Syncing
 from hpx._values import _KnobValues, _writes_optimizer
 from hpx.averaging import broadcast_, constant_buffers, float_state
@@ -220,6 +220,7 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         # a few ops per bucket, and over several processes one collective per bucket.
         self._shared = shared
         self._grads: _GradBuckets | None = None if not shared else _GradBuckets(self.replicas)
+        self._trainable = _trainable(self.replicas[0])  # what those buffers are built over
         # ... and with one optimizer state, one gradient while the engine runs the backward
         self._one = None if self._state is None else _OneGradient(self.replicas, host=dev.type == "cpu")
         self._one_step = False  # this step's backward passes write into it

@@ -4,6 +4,7 @@ contracts it keeps for objects that follow them (resume, per-step schedules, his
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import numpy as np
@@ -395,3 +396,57 @@ def test_sparse_gradients_are_refused_in_shared_mode_and_train_in_independent_mo
     before = engine.replicas[0].model.e.weight.clone()
     engine.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (x, y))
     assert not torch.equal(before, engine.replicas[0].model.e.weight)
+
+
+# --- the shared mode's numerics -------------------------------------------------------------
+
+
+def test_a_batch_that_splits_unevenly_gives_the_whole_batchs_mean_gradient():
+    """10 examples over 4 replicas are cut 3, 3, 2, 2: each part's mean loss is weighted by its
+    rows, so the replicas' mean gradient is the batch's (an unweighted mean was 0.18 away)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2)
+    x, y = torch.randn(10, 8), torch.randint(0, 2, (10,))
+    plain = copy.deepcopy(model)
+    F.cross_entropy(plain(x), y).backward()
+    engine = hpx.Engine(model, _sgd(), [hpx.LearningRate(spread=0.0)], replicas=4,
+                        shared_optimizer_state=False)
+    engine.backward(_loss, (x, y))
+    engine.reduce()
+    for r in engine.replicas:
+        assert torch.allclose(r.model.weight.grad, plain.weight.grad, atol=1e-6)
+
+
+def test_a_float64_model_trains_in_shared_mode_with_a_gradient_per_replica():
+    model = _model().double()
+    engine = hpx.Engine(model, _sgd(), [hpx.LearningRate(spread=0.5)], replicas=4,
+                        shared_optimizer_state=False)
+    for x, y in _batches(3):
+        engine.step(_loss, (x.double(), y))
+    assert all(torch.isfinite(p).all() and p.dtype == torch.float64 for p in engine.model.parameters())
+
+
+def test_a_very_negative_loss_counts_as_a_blow_up_as_a_very_large_one():
+    def nll(rep, b):  # replica 1's loss jumps to -1e6 at step 8: 1e4 times the run's range
+        out = _loss(rep, b)
+        return out - 1e6 if rep.index == 1 and engine.step_count == 8 else out
+
+    engine = hpx.Engine(_model(drop=0.0), _sgd(), [hpx.LearningRate(spread=0.5)], replicas=4, sync_every=9)
+    for b in _batches(9):
+        engine.step(nll, b)
+    assert engine.history[0].nonfinite == [1]
+
+
+def test_unfreezing_a_layer_after_the_engine_was_built_is_refused_in_shared_mode():
+    model = _model()
+    model[0].requires_grad_(False)
+    def sgd(m):
+        return torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+    engine = hpx.Engine(model, sgd, [hpx.LearningRate(spread=0.5)], replicas=4)
+    for b in _batches(2):
+        engine.step(_loss, b)
+    for r in engine.replicas:
+        r.model[0].requires_grad_(True)
+    with pytest.raises(ConfigError, match="the parameters that train changed since the engine was built"):
+        engine.step(_loss, _batches(1)[0])

@@ -123,7 +123,8 @@ class Momentum(GroupKnob):
      "weight_decay=0.001 enters its state"),
     (lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=1e-3), None, "weight_decay=0.001"),
     (lambda m: torch.optim.SGD(m.parameters(), lr=0.1), None, "SGD without momentum keeps no state"),
-    (lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1, lr_decay=0.1), None, "lr_decay"),
+    (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), lambda: [hpx.WeightDecay(base=0.1)],
+     "a knob writes the weight decay, which SGD couples"),  # 0 when built: the shared step dropped it
     (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), lambda: [Momentum("mom", spread=0.1)],
      "knobs write the optimizer's momentum"),
     (lambda m: torch.optim.Rprop(m.parameters(), lr=0.01), None, "Rprop is not one of"),
@@ -137,6 +138,25 @@ def test_a_state_that_may_differ_stays_per_replica(digits, opt, knobs, why):
     assert_same_run(e, a)  # nothing changes: the replicas keep their own
     if e.replicas[0].optimizer.state:
         assert all(r.optimizer.state for r in e.replicas)
+
+
+def test_adagrads_lr_decay_is_linear_in_lr_and_shares_one_state(digits):
+    opt = lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1, lr_decay=0.1)  # noqa: E731
+    a, b = build(opt), build(opt, share=False)
+    assert a.unshared_reason is None
+    train(a, digits, 8)
+    train(b, digits, 8)
+    assert_same_run(a, b)
+
+
+def test_a_coupled_weight_decay_set_after_the_engine_was_built_is_refused(digits):
+    e = build(lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9))
+    assert e.unshared_reason is None
+    train(e, digits, 2)
+    for r in e.replicas:
+        r.optimizer.param_groups[0]["weight_decay"] = 0.1
+    with pytest.raises(hpx.ConfigError, match=r"weight_decay=0.1, which SGD couples into its state"):
+        train(e, digits, 1)
 
 
 def test_independent_mode_and_one_replica_keep_their_own():
