@@ -347,8 +347,9 @@ def _unreached(trained: list[_Fork], start: _Fork, how: str = "") -> list[str]:
 
 def _stepped_apart(forks: list[_Fork]) -> list[str]:
     """Your objects changed where the forks' copies did not: your scheduler stepped more often
-    (``scheduler.step()`` in your loop as well), or your optimizer's groups or learning rates, or
-    which parameters train, changed by hand (host reads only: nothing waits on a device)."""
+    (``scheduler.step()`` in your loop as well), or by hand your optimizer's groups or their plain
+    settings (lr, weight decay, ...), which parameters train, or a dropout rate; compared with a
+    fork at your knob values (host reads only: nothing waits on a device)."""
     start = forks[0]
     other = next((f for f in forks[1:] if not f.lost and f.values == start.values), None)  # an lr fork
     if other is None or start.lost:
