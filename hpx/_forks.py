@@ -262,9 +262,11 @@ def knob_values(knob: Knob) -> list[float]:
     return out
 
 
-def knobs_problems(knobs: Any) -> list[str]:
+def knobs_problems(knobs: Any, loss_fn: Any = None) -> list[str]:
     """Knobs Forks cannot fork: not knobs, the learning rate (forked by ``multiples``), no spread
-    (nothing to fork at), a schedule, a name used twice."""
+    (nothing to fork at), a schedule, a name used twice; a knob your loss reads
+    (``rep.value(name)``, label smoothing) without a probe ``loss_fn`` of its own, since each fork
+    would then be scored by a loss of its own definition."""
     from hpx.knobs.optim import LearningRate, LearningRateScale
 
     if isinstance(knobs, Knob) or not isinstance(knobs, (list, tuple)):
@@ -286,6 +288,11 @@ def knobs_problems(knobs: Any) -> list[str]:
         elif k.name in names:
             problems.append(f"knob name {k.name!r} is used twice (or is 'lr', the forks' multiple): "
                             "name each knob once")
+        elif type(k).bind is Knob.bind and loss_fn is None:
+            problems.append(f"knob {k.name!r} is read by your loss (rep.value({k.name!r})), and the probe is "
+                            "scored with the training loss unless you give loss_fn=: each fork would be "
+                            "judged by a loss of its own definition. Give loss_fn= for the probe (without "
+                            "the knob: plain cross-entropy)")
         else:
             names.append(k.name)
     return problems

@@ -39,6 +39,7 @@ class _KnobValues:
         for k in self.knobs:
             try:
                 k.resolve_base(self.replicas[0])
+                problems.extend(k.reach_problems())  # a base read from the replica: checked now
                 self._setters.append([k.bind(r) for r in self.replicas])
             except ConfigError as e:
                 problems.extend(e.problems)

@@ -174,7 +174,7 @@ class Forks:
         callbacks = list(on_sync) if isinstance(on_sync, Sequence) else [on_sync]
         problems = _settings_problems(model, optimizer, total_steps, schedule, probe, loss_fn, multiples,
                                       cuts, cool, confidence) + _checks.backend_problems(backend)
-        problems += knobs_problems(knobs) + _checks.unknown_problems(unknown, Forks.__init__)
+        problems += knobs_problems(knobs, loss_fn) + _checks.unknown_problems(unknown, Forks.__init__)
         problems += [f"on_sync must be a function record -> None, or a list of them (got {on_sync!r})"
                      for _ in callbacks[:1] if not all(callable(c) for c in callbacks)]
         ConfigError.check(problems)

@@ -97,7 +97,8 @@ def autolr(
             given as ``probe=[(x_val, y_val)]``. ``None``: each sync step's training batch.
         loss_fn: ``loss_fn(replica, batch)`` for scoring; default: the loss given to
             :meth:`Engine.step <hpx.Engine.step>`. Give one without regularisers.
-        knobs: more knobs to spread (they do not move unless given a spread).
+        knobs: more knobs, applied at their base: autolr's search moves the learning rate only (to
+            search them, give them to :class:`hpx.Forks` or to :class:`hpx.Engine` with a strategy).
         replicas: replicas per process (default 1). Between syncs the replicas are identical
             (they train at the base value), so more of them in one process only split the
             batch: the search scores its 4 points in turn on fewer replicas, at the same cost.

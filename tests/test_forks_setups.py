@@ -218,3 +218,21 @@ def test_forks_each_changes_every_fork_alike_and_the_kept_run_is_plain_training(
 class _Replica:
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
+
+
+def test_a_knob_your_loss_reads_needs_a_probe_loss_of_its_own():
+    """Scored with the training loss, each label-smoothing fork was judged by its own smoothed loss:
+    with identical weights, the fork without smoothing won."""
+    model = _net(p=0.0)
+    with pytest.raises(hpx.ConfigError, match="knob 'label_smoothing' is read by your loss"):
+        hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE,
+                  knobs=[hpx.LabelSmoothing(base=0.1, spread=0.05)])
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE, loss_fn=_loss,
+                      knobs=[hpx.LabelSmoothing(base=0.1, spread=0.05)])
+    assert forks.factors[-2:] == [1.0, 1.0]  # the knob's two forks, at your lr
+
+
+def test_dropout_forks_from_a_rate_of_0_keep_the_side_the_bound_allows():
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE, knobs=[hpx.Dropout(spread=0.2)])
+    assert [f.values["dropout"] for f in forks._forks][-1:] == [0.2] and len(forks.factors) == 6

@@ -49,6 +49,14 @@ _FORKS_SETTINGS = ("multiples", "cuts", "cool", "confidence", "knobs", "on_sync"
 def _forks_settings(settings: dict[str, Any], log: Any) -> dict[str, Any]:
     """``settings`` as :class:`hpx.Forks` keyword arguments, the integration's ``log`` called at
     every decision before the ``on_sync`` callbacks the user gave."""
+    from hpx.errors import ConfigError
+    from hpx.knobs.base import Knob
+
+    only_read = [k.name for k in settings.get("knobs", ())
+                 if isinstance(k, Knob) and type(k).bind is Knob.bind]
+    ConfigError.check([f"knob {n!r} only publishes a value (replica.value({n!r})), which the framework's own "
+                       "step cannot read: fork a setting the knob writes into your module or optimizer "
+                       "(hpx.Dropout, hpx.WeightDecay, hpx.ModuleAttribute, hpx.Custom)" for n in only_read])
     on_sync = settings.get("on_sync", ())
     extra = list(on_sync) if isinstance(on_sync, (list, tuple)) else [on_sync]
     return {**{k: v for k, v in settings.items() if k != "on_sync"}, "on_sync": [log, *extra]}

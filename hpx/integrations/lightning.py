@@ -119,10 +119,10 @@ class AutoLR(pl.Callback):
             raise ConfigError([f"AutoLR needs exactly one optimizer (the module configures "
                                f"{len(trainer.optimizers)})"])
         configs = trainer.strategy.lr_scheduler_configs
-        if len(configs) > 1 or (configs and configs[0].interval != "step"):
+        if len(configs) > 1 or (configs and (configs[0].interval != "step" or configs[0].frequency != 1)):
             raise ConfigError(["AutoLR takes over one scheduler stepped every step ('interval': "
-                               "'step'); the module configures "
-                               f"{[(type(c.scheduler).__name__, c.interval) for c in configs]}"])
+                               "'step', frequency 1); the module configures "
+                               f"{[(type(c.scheduler).__name__, c.interval, c.frequency) for c in configs]}"])
         schedule = configs[0].scheduler if configs else None
         backend = None
         world = trainer.world_size

@@ -218,14 +218,17 @@ class Knob:
             raise ConfigError(
                 [f"knob {self.name!r} has no base value: pass base=... when declaring it"]
             )
-        label = f"knob {self.name!r}"
-        problems = _base_problems(label, value, self.kind, self.low, self.high)
-        if not problems and self.explore:  # the spread as declared, around the base read
-            problems = _reach_problems(label, float(value), self.kind, self.low, self.high,
-                                       0.0 if self.spacing == "log" else self.spread, self.span)
-        ConfigError.check(problems)
+        ConfigError.check(_base_problems(f"knob {self.name!r}", value, self.kind, self.low, self.high))
         self._initial_base = float(value)
         self.base = float(value)
+
+    def reach_problems(self) -> list[str]:
+        """Whether the replicas' values, spread symmetrically around the base, stay inside the
+        bounds (the engine's fan-out; :class:`hpx.Forks` instead drops a side that a bound cuts)."""
+        if not self.explore or math.isnan(self.base):
+            return []
+        return _reach_problems(f"knob {self.name!r}", self.base, self.kind, self.low, self.high,
+                               0.0 if self.spacing == "log" else self.spread, self.span)
 
     def values(self, slots: torch.Tensor, base: float | None = None) -> torch.Tensor:
         """Per-replica values for ``slots`` (replica ``r`` takes slot ``slots[r]``).

@@ -139,8 +139,9 @@ class Dropout(ModuleAttribute):
 
     By default every ``nn.Dropout``/``Dropout1d/2d/3d``/``AlphaDropout`` in the model.
     Note that some modules keep a dropout rate as a plain float of their own (for
-    example ``nn.MultiheadAttention.dropout``); select those with ``modules=`` and
-    ``attribute="dropout"`` if you want them explored too.
+    example ``nn.MultiheadAttention.dropout``); explore those with a knob of their own,
+    ``hpx.ModuleAttribute("attn_dropout", attribute="dropout", modules=nn.MultiheadAttention,
+    kind="add", bounds=(0, 0.99), spread=0.1)``.
     """
 
     default_types = (nn.modules.dropout._DropoutNd,)

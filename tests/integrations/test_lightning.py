@@ -205,3 +205,19 @@ def test_forks_under_two_ddp_processes_decide_alike(tmp_path):
     # the calling process gets rank 0's winner back, as Lightning returns a ddp_spawn fit's weights
     params = torch.cat([p.detach().reshape(-1) for p in module.net.parameters()])
     assert params.tolist() == ranks[0]["params"]
+
+
+class _EveryFive(Digits):
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 5}}
+
+
+def test_a_schedule_stepped_every_few_steps_is_refused(tmp_path):
+    """Read as stepped every step, the schedule halved the lr at every step instead of every fifth."""
+    from hpx.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"stepped every step \('interval': 'step', frequency 1\)"):
+        _trainer(tmp_path, 20, callbacks=[AutoLR(probe_loss, probe=probe(), seed=0)]).fit(
+            _EveryFive(lr=0.003, steps=20), loader())

@@ -267,3 +267,11 @@ def test_a_model_returning_loss_then_logits_as_a_tuple_is_probed_as_the_trainer_
                      probe=probe(), forks={"multiples": POW2})
     t.train()
     assert t.forks.decided and all(math.isfinite(s) for s in t.forks.history[0].scores)
+
+
+def test_a_knob_only_your_loss_could_read_is_refused_by_the_trainer(tmp_path):
+    """The Trainer's own step has no replica to read replica.value() from: the label-smoothing
+    forks trained identically, and their probe losses were equal to the last digit."""
+    with pytest.raises(hpx.ConfigError, match="knob 'label_smoothing' only publishes a value"):
+        ForksTrainer(model=Tiny(), args=forks_args(tmp_path, 20, 1e-3), train_dataset=train_set(),
+                     probe=probe(), forks={"knobs": [hpx.LabelSmoothing(base=0.1, spread=0.05)]}).train()
