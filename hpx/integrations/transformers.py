@@ -194,7 +194,9 @@ class AutoLR(TrainerCallback):
 
     def _log(self, record: SyncRecord) -> None:
         logs: dict[str, Any] = {f"hpx/{name}_base": float(base) for name, base in record.bases.items()}
-        logs["hpx/lr"] = _lr(self._optimizer)  # what the last step before the sync used
+        # what this process's replica used at the last step before the sync (the record has it: the
+        # Trainer's scheduler has written its own, unscaled, next lr into the optimizer since)
+        logs["hpx/lr"] = float(record.lr[self.engine._first]) if record.lr else _lr(self._optimizer)
         state = self._state
         state.log_history.append({**logs, "step": state.global_step})  # as Trainer.log does
         if self._handler is not None:  # every callback's on_log: the reporting integrations

@@ -46,6 +46,11 @@ def test_one_process_explores_with_its_one_model_and_scales_the_trainers_schedul
         assert spy.lrs[step] == pytest.approx(3e-4 * lam(step) * base, rel=1e-9)
     logged = [h for h in t.state.log_history if "hpx/lr_base" in h]
     assert logged[-1]["hpx/lr_base"] == pytest.approx(e.bases["lr"])
+    # hpx/lr is the lr the step before each sync used (it was the Trainer's next, unscaled one)
+    used = {step + 1: lr for step, lr in spy.lrs.items()}  # spy: the lr written for the next step
+    later = [h for h in logged if h["step"] in used]
+    assert len(later) >= 5
+    assert [h["hpx/lr"] for h in later] == pytest.approx([used[h["step"]] for h in later], rel=1e-9)
 
 
 class _Logs:
