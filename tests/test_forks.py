@@ -633,7 +633,7 @@ def test_weight_decay_and_label_smoothing_forks():
         return _loss(rep, b) + 0.0 * rep.value("label_smoothing")
 
     forks = hpx.Forks(model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01),
-                      total_steps=20, probe=PROBE, multiples=(1.0,), cuts=(),
+                      total_steps=20, probe=PROBE, multiples=(1.0,), cuts=(), loss_fn=_loss,  # the probe's
                       knobs=[hpx.WeightDecay(group=0, span=10), hpx.LabelSmoothing(base=0.05, spread=0.05)])
     wds = [f.optimizer.param_groups[0]["weight_decay"] for f in forks._forks]
     assert wds == [0.01, pytest.approx(0.001), pytest.approx(0.1), 0.01, 0.01]
