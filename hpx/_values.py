@@ -39,7 +39,9 @@ class _KnobValues:
         for k in self.knobs:
             try:
                 k.resolve_base(self.replicas[0])
-                problems.extend(k.reach_problems())  # a base read from the replica: checked now
+                for why in k.reach_problems():  # a base read from the replica (a given one was refused)
+                    log.warning("%s (a dropout rate of 0 read from your model, say: half the replicas "
+                                "train at the bound)", why)
                 self._setters.append([k.bind(r) for r in self.replicas])
             except ConfigError as e:
                 problems.extend(e.problems)
