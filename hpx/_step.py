@@ -42,7 +42,7 @@ class _TrainingStep:
                 prepare(SyncContext(self.replicas, self._acc, shared, loss_fn, self.collective,
                                     self.step_count))
             if self._one is not None or self._grads is not None or self._state is not None:
-                ConfigError.check(_trainable_problems(self.replicas[0], self._trainable))
+                ConfigError.check(_trainable_problems(self.replicas[0], *self._trainable))
             self._one_step = self._one is not None
             if self._one is not None:
                 self._one.zero_()
@@ -494,14 +494,15 @@ def _cut(batch: Any, n: int) -> list[Any]:
     return [batch] * n
 
 
-def _trainable(rep: Replica) -> tuple[int, tuple[bool, ...]]:
+def _trainable(rep: Replica, params: Sequence[torch.Tensor]) -> tuple[int, tuple[bool, ...]]:
     """What the shared mode's gradient buffers and one optimizer state were built on: the number of
-    parameter groups and which parameters train."""
-    return len(rep.optimizer.param_groups), tuple(p.requires_grad for p in rep.model.parameters())
+    parameter groups and which of ``params`` (the model's, listed once) train."""
+    return len(rep.optimizer.param_groups), tuple(p.requires_grad for p in params)
 
 
-def _trainable_problems(rep: Replica, built: tuple[int, tuple[bool, ...]]) -> list[str]:
-    if _trainable(rep) == built:
+def _trainable_problems(rep: Replica, params: Sequence[torch.Tensor],
+                        built: tuple[int, tuple[bool, ...]]) -> list[str]:
+    if _trainable(rep, params) == built:
         return []
     return ["the parameters that train changed since the engine was built (a layer unfrozen or frozen, a "
             "parameter group added): in shared mode the replicas' gradients and optimizer state live in "

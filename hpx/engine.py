@@ -220,7 +220,8 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         # a few ops per bucket, and over several processes one collective per bucket.
         self._shared = shared
         self._grads: _GradBuckets | None = None if not shared else _GradBuckets(self.replicas)
-        self._trainable = _trainable(self.replicas[0])  # what those buffers are built over
+        params = list(self.replicas[0].model.parameters())  # listed once: checked at every shared step
+        self._trainable = (params, _trainable(self.replicas[0], params))  # what the buffers are built over
         # ... and with one optimizer state, one gradient while the engine runs the backward
         self._one = None if self._state is None else _OneGradient(self.replicas, host=dev.type == "cpu")
         self._one_step = False  # this step's backward passes write into it
