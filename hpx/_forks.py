@@ -403,18 +403,29 @@ def _plain_setting(v: Any) -> bool:
         isinstance(x, (int, float)) for x in v))
 
 
-def common_draws(device: torch.device, calls: Sequence[Callable[[], Any]]) -> list[Any]:
+def common_draws(device: torch.device, calls: Sequence[Callable[[], Any]],
+                 others: list[bool | None] | None = None) -> list[Any]:
     """Every call's result, each call made from the global random streams as they were before the
     first (torch's on the CPU and ``device``, Python's, NumPy's), the streams then left as the first
     call left them. So at every step
     each fork draws the random numbers your run draws (its dropout masks), which are those plain
     training at the fork's multiple would draw, whatever else takes from the stream between steps
-    (a DataLoader's shuffle): common random numbers, which also pair the forks' comparison."""
+    (a DataLoader's shuffle): common random numbers, which also pair the forks' comparison.
+
+    ``others``: ``[None]`` decides at this call whether Python's and NumPy's streams are replayed
+    from now on (whether the first call drew from them; reading and writing NumPy's costs some 30
+    microseconds each, several times a step), and holds the answer for the next calls."""
     if len(calls) < 2:
         return [c() for c in calls]
-    before = _rng_get(device)
+    full = others is None or others[0] is not False
+    before = _rng_get(device, full)
     out = [calls[0]()]
-    after = _rng_get(device)
+    after = _rng_get(device, full)
+    if others is not None and others[0] is None:  # the first step: does the model draw from them?
+        others[0] = _moved(before, after)
+        if not others[0]:
+            before = {k: v for k, v in before.items() if k in ("cpu", "cuda")}
+            after = {k: v for k, v in after.items() if k in ("cpu", "cuda")}
     try:
         for c in calls[1:]:
             _rng_set(before, device)
@@ -437,21 +448,32 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-def _rng_get(device: torch.device) -> dict[str, Any]:
+def _rng_get(device: torch.device, others: bool = True) -> dict[str, Any]:
     """The global random streams a model on ``device`` may draw from: torch's on the CPU and on the
-    device, Python's ``random`` and NumPy's (a LayerDrop, a SpecAugment mask)."""
-    state: dict[str, Any] = {"cpu": torch.random.get_rng_state(), "python": random.getstate()}
+    device, and (``others``) Python's ``random`` and NumPy's (a LayerDrop, a SpecAugment mask)."""
+    state: dict[str, Any] = {"cpu": torch.random.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
-    numpy = sys.modules.get("numpy")  # imported by the user or a library: else nothing draws from it
-    if numpy is not None:
-        state["numpy"] = numpy.random.get_state()
+    if others:
+        state["python"] = random.getstate()
+        numpy = sys.modules.get("numpy")  # imported by the user or a library: else nothing draws from it
+        if numpy is not None:
+            state["numpy"] = numpy.random.get_state()
     return state
+
+
+def _moved(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    """Whether Python's or NumPy's stream moved between two :func:`_rng_get` states."""
+    if before.get("python") != after.get("python"):
+        return True
+    a, b = before.get("numpy"), after.get("numpy")
+    return a is not None and b is not None and (a[2] != b[2] or not (a[1] == b[1]).all())
 
 
 def _rng_set(state: dict[str, Any], device: torch.device) -> None:
     torch.random.set_rng_state(state["cpu"])
-    random.setstate(state["python"])
+    if "python" in state:
+        random.setstate(state["python"])
     if "cuda" in state and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
     if "numpy" in state:

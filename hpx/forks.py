@@ -229,6 +229,7 @@ class Forks:
         self._clip_params: Callable[[_Fork], Iterable[torch.Tensor]] = model_params
         self._zero_model = False
         self._apart: torch.Tensor | None = None  # on device: a gradient some ranks had and others not
+        self._streams: list[bool | None] = [None]  # Python's and NumPy's replayed too (common_draws)
         self._warned = False
         self.history: list[SyncRecord] = []
 
@@ -259,8 +260,8 @@ class Forks:
                  for f in trained]
         before = _layout(batch) if self.step_count == 0 else None  # the first step checks loss_fn
         try:
-            found = first_checked(lambda: common_draws(_device(self._forks[0].model), calls), before, batch,
-                                  trained, self._forks[0])
+            found = first_checked(lambda: common_draws(_device(self._forks[0].model), calls, self._streams),
+                                  before, batch, trained, self._forks[0])
         except BaseException:
             self._fresh = True  # a failed backward (an OOM you skip) leaves no gradient behind
             raise

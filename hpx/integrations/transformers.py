@@ -310,7 +310,8 @@ class ForksTrainer(Trainer):
         before = _layout(inputs) if forks.step_count == 0 else None
         calls = [lambda m=f.model: step(m, inputs, *more) for f in trained]
         try:
-            loss = common_draws(_device(self.model), [lambda: step(model, inputs, *more), *calls])[0]
+            loss = common_draws(_device(self.model), [lambda: step(model, inputs, *more), *calls],
+                                forks._streams)[0]
         except Exception:  # a later fork's KeyError after your compute_loss popped an entry
             ConfigError.check(batch_changed(before, inputs, "compute_loss (or training_step)"))
             raise
