@@ -689,3 +689,25 @@ def test_a_runs_losses_per_unit_are_the_probe_loss_taken_apart(name):
     assert math.isclose(sum(units["probe"]) / len(units["probe"]), out["probe"], rel_tol=1e-5)
     assert 0 < len(units["train"]) <= 2000 and len(out["step_losses"]) == 12
     assert execute(run, units=True)["units"] == units  # the training sample is fixed
+
+
+def test_the_mechanic_prototype_learns_a_scale_that_divides_the_start_out():
+    """Mechanic's weights are ``x_ref + s * Delta``: from starts a hundredfold apart (SGD, whose
+    steps are linear in the lr) the learnt scale absorbs most of the difference, so the lr each
+    ends at (``s`` times its own) agrees within 2x, and both train."""
+    from benchmarks.lr.prototypes import mechanic
+
+    task = replace(TASKS["digits_mlp"], steps=200)
+
+    def run(lr):
+        model = task.model(0)
+        opt = task.optimizer(model, lr)
+        gen = torch.Generator().manual_seed(3)
+        batches = [task.sample(gen) for _ in range(task.steps)]
+        final, s = mechanic(task, model, opt, task.scheduler(opt), batches)
+        return final, s * lr
+
+    (low, lr_low), (high, lr_high) = run(0.1), run(10.0)
+    assert 0.5 < lr_low / lr_high < 2
+    initial = task.evaluate(task.model(0))
+    assert task.evaluate(low) < 0.2 * initial and task.evaluate(high) < 0.2 * initial

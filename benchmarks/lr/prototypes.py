@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from benchmarks.lr.tasks import Task
 from hpx._forks import paired_gain as _gain
 
-__all__ = ["LOOPS", "paired_gain", "probe_at", "probe_loss", "steps_taken"]
+__all__ = ["LOOPS", "mechanic", "paired_gain", "probe_at", "probe_loss", "steps_taken"]
 
 State = tuple[torch.nn.Module, torch.optim.Optimizer, Any]
 _STEPS = [0]  # optimizer steps taken by prototypes in this process, annealed copies included
@@ -368,6 +368,66 @@ def _scored(task: Task, model: torch.nn.Module, weights: list[torch.Tensor]) -> 
         model.train()
 
 
+@torch.no_grad()
+def _dot(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([(x * y).sum() for x, y in zip(a, b)]).sum()
+
+
+_MECHANIC_BETAS = (0.9, 0.99, 0.999, 0.9999, 0.99999, 0.999999)
+
+
+def mechanic(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+             batches: Sequence[Any], *, betas: Sequence[float] = _MECHANIC_BETAS,
+             decay: float = 0.01, s_init: float = 1e-8, eps: float = 1e-8) -> tuple[torch.nn.Module, float]:
+    """Mechanic (Cutkosky, Defazio and Mehta, 2023, Algorithm 1): a learning-rate tuner that wraps
+    the user's optimizer and schedule and learns one scale ``s`` on their accumulated update online,
+    from the training gradient alone, at no extra forward or backward: the weights are ``x_ref + s *
+    Delta``, ``Delta`` the sum of the base optimizer's updates, and ``s`` is the sum of ``len(betas)``
+    parameter-free online learners fed ``h_t = <Delta_t, g_t + decay * |g_t| / |x_t| * x_t>``, the
+    derivative of the training loss along the scale. No probe is read. The factor returned is the
+    final ``s``: the final weights are the base run's whole displacement times ``s``, the stretch
+    that ``Stretch`` reads on the probe, here learned from the training loss."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref = [p.detach().clone() for p in params]
+    delta = [torch.zeros_like(p) for p in params]
+    beta = torch.tensor(betas, dtype=torch.float64)
+    n = len(betas)
+    m = torch.zeros(n, dtype=torch.float64)
+    v = torch.zeros(n, dtype=torch.float64)
+    r = torch.zeros(n, dtype=torch.float64)
+    s = torch.zeros(n, dtype=torch.float64)
+    model.train()
+    for b in batches:
+        _STEPS[0] += 1
+        loss = task.loss(model, b)
+        if not torch.isfinite(loss):
+            break
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            g = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            gn = _dot(g, g).sqrt()
+            xn = _dot(params, params).sqrt()
+            h = float(_dot(delta, g) + decay * gn / xn.clamp_min(1e-30) * _dot(delta, params))
+            old = [p.detach().clone() for p in params]
+        opt.step()
+        sched.step()
+        with torch.no_grad():
+            for d, p, o in zip(delta, params, old):
+                d.add_(p - o)
+            m = torch.maximum(beta * m, torch.tensor(abs(h), dtype=torch.float64))
+            v = beta ** 2 * v + h * h
+            r = (beta * r - s * h).clamp_min(0.0)
+            w = s_init / n * m + r
+            s = w / (v.sqrt() + eps)
+            total = float(s.sum())
+            if not math.isfinite(total):
+                break
+            for p, x0, d in zip(params, ref, delta):
+                torch.add(x0, d, alpha=total, out=p)
+    return model, max(float(s.sum()), 1e-12)
+
+
 _TO_THE_END = ((0.10, 3), (0.25, 2), (1.0, 1))  # the start and the best challenger are judged finished
 
 # A loop: f(task, model, optimizer, scheduler, batches) -> (final model, end factor).
@@ -419,6 +479,8 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
         train=(1.0, 3.0)),
     # no early reading at all: the start and a fork a decade each side run to the end (3.0x the
     # steps, as the cooled halving), the confident end picks among the finished runs
+    # Mechanic, the published scale tuner: the training gradient along the run's displacement
+    "mechanic": mechanic,
     "trio-z2-lost": lambda *a: halving(*a, mults=(0.1, 1.0, 10.0), cuts=((1.0, 1),), protect=True,
                                        confidence=2.0, lost_start=True, average=False),
 }
