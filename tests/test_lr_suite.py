@@ -711,3 +711,49 @@ def test_the_mechanic_prototype_learns_a_scale_that_divides_the_start_out():
     assert 0.5 < lr_low / lr_high < 2
     initial = task.evaluate(task.model(0))
     assert task.evaluate(low) < 0.2 * initial and task.evaluate(high) < 0.2 * initial
+
+
+@pytest.mark.parametrize("rule", ["steep", "min10"])
+def test_the_range_test_sweeps_a_copy_for_its_budget_then_trains_plainly_at_its_suggestion(rule):
+    """lr_find's prototype: the sweep trains a copy for a tenth of the run's steps (the user's
+    model untouched), then the run is plain training at the suggested multiple of the start's lr."""
+    from benchmarks.lr.prototypes import range_test, steps_taken
+    from benchmarks.lr.run import plain_train
+
+    task = replace(TASKS["digits_mlp"], steps=100)
+    gen = torch.Generator().manual_seed(3)
+    batches = [task.sample(gen) for _ in range(task.steps)]
+    model = task.model(0)
+    opt = task.optimizer(model, 0.1)
+    steps_taken(reset=True)
+    final, factor = range_test(task, model, opt, task.scheduler(opt), batches, rule=rule)
+    assert steps_taken(reset=True) == 100 + 10
+    assert (1e-3 if rule == "steep" else 1e-4) <= factor <= 1e3
+    plain = task.model(0)
+    popt = task.optimizer(plain, 0.1 * factor)
+    plain_train(task, plain, popt, task.scheduler(popt), batches)
+    for a, b in zip(final.parameters(), plain.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_eval_refuses_a_stored_grid_that_this_machine_does_not_repeat(tmp_path, monkeypatch, capsys):
+    """A method run here is compared with plain runs stored from the grid; where the stored grid
+    came from other floating-point kernels, eval names the run that differs and the fix, and runs
+    nothing (unless --mixed-numerics)."""
+    from benchmarks.lr import __main__ as suite
+
+    monkeypatch.setattr(suite, "RUNS", tmp_path)
+    args = ["eval", "--quick", "--method", "Forks", "--tasks", "iris_short", "--jobs", "1"]
+    assert suite.main(args) == 0  # the grid made here repeats here
+    grids_path = tmp_path / "grids-quick.json"
+    grids = json.loads(grids_path.read_text())
+    i, lrs, _ = best_of_grid("iris_short", grids, suite.QUICK_STEPS)
+    key = Run("iris_short", "plain", lrs[i], 0, suite.QUICK_STEPS).key
+    grids[key]["val"] *= 1.3  # as if another machine's kernels had made it
+    grids_path.write_text(json.dumps(grids))
+    (tmp_path / "Forks-quick.json").unlink()
+    with pytest.raises(SystemExit, match="does not repeat on this machine.*grid --fresh"):
+        suite.main(args)
+    assert not (tmp_path / "Forks-quick.json").exists()
+    assert suite.main([*args, "--mixed-numerics"]) == 0
+    assert len(json.loads((tmp_path / "Forks-quick.json").read_text())) == 3 * 2

@@ -127,6 +127,23 @@ def run_grid(tasks: list[str], store: dict[str, Any], jobs: int, steps: int | No
     _save(path, store)
 
 
+def numerics_problem(task: str, grids: dict[str, Any], steps: int | None = None) -> None:
+    """Exit with the fix when ``task``'s stored plain run at its grid's best lr (seed 0) does not
+    repeat here bit for bit. A run's end depends chaotically on floating-point rounding: another
+    CPU's kernels (AVX-512 against AVX2, another BLAS) end the same seed and batches at a
+    validation loss tens of percent away on some tasks, so a method run here and a grid run
+    elsewhere differ by that much even where the method is plain training."""
+    i, lrs, _ = best_of_grid(task, grids, steps)
+    run = Run(task, "plain", lrs[i], 0, steps)
+    stored, now = grids[run.key]["val"], execute(run)["val"]
+    if stored != now and not (stored is None and math.isnan(now)):
+        raise SystemExit(
+            f"the stored grid does not repeat on this machine: {run.key} ended at validation loss "
+            f"{stored} there and {now} here (other floating-point kernels). Its plain runs cannot be "
+            f"compared with method runs made here: rerun the grid here (python -m benchmarks.lr grid "
+            f"--fresh), or pass --mixed-numerics to compare them anyway")
+
+
 # ----------------------------------------------------------------------------- a method's cells
 
 
@@ -432,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK_STEPS} steps a run: checks the plumbing only")
     p.add_argument("--fresh", action="store_true", help="forget stored results of this command")
+    p.add_argument("--mixed-numerics", action="store_true",
+                   help="eval against a stored grid whose runs this machine does not repeat bit for bit")
     a = p.parse_args(argv)
     steps = QUICK_STEPS if a.quick else None
     grid_path = RUNS / "grids-quick.json" if a.quick else GRIDS
@@ -454,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
         path = RUNS / f"{method}{'-quick' if a.quick else ''}.json"
         store = {} if a.fresh and a.command == "eval" else _load(path)
         if a.command == "eval":
+            if not a.mixed_numerics:
+                numerics_problem(a.tasks[0], grids, steps)
             runs = [Run(t, method, lr, s, steps) for t in a.tasks
                     for lr in cells(t, grids, steps).values() for s in SEEDS]
             _run_all(runs, store, path, a.jobs)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from benchmarks.lr.tasks import Task
 from hpx._forks import paired_gain as _gain
 
-__all__ = ["LOOPS", "mechanic", "paired_gain", "probe_at", "probe_loss", "steps_taken"]
+__all__ = ["LOOPS", "mechanic", "paired_gain", "probe_at", "probe_loss", "range_test", "steps_taken"]
 
 State = tuple[torch.nn.Module, torch.optim.Optimizer, Any]
 _STEPS = [0]  # optimizer steps taken by prototypes in this process, annealed copies included
@@ -428,6 +428,51 @@ def mechanic(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sch
     return model, max(float(s.sum()), 1e-12)
 
 
+def range_test(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
+               batches: Sequence[Any], *, rule: str = "steep", budget: float = 0.1,
+               low: float = 1e-3, high: float = 1e3, smooth: float = 0.98) -> tuple[torch.nn.Module, float]:
+    """The learning-rate range test (Smith, 2017; ``lr_find`` in fastai and Lightning's ``Tuner``):
+    before the run, a copy of the model and optimizer trains on the run's first batches with the lr
+    factor rising geometrically from ``low`` to ``high`` times the start's, for ``budget`` of the
+    run's steps (the bar's 10%), and the loss is smoothed (an exponential average, debiased). The
+    suggestion is the factor where the smoothed loss falls fastest against ``log lr`` (``"steep"``,
+    Lightning's and fastai's default) or a tenth of where it is lowest (``"min10"``, the rule of
+    thumb for one-cycle's peak). Then the run trains plainly at that factor, from its own start."""
+    k = max(5, round(budget * len(batches)))
+    trial = copy.deepcopy((model, opt))
+    tmodel, topt = trial
+    base = [g["lr"] for g in topt.param_groups]  # the peak lrs: the scheduler has not stepped yet
+    factors = [low * (high / low) ** (i / (k - 1)) for i in range(k)]
+    avg, losses = 0.0, []
+    tmodel.train()
+    for i, (b, f) in enumerate(zip(batches, factors)):
+        _STEPS[0] += 1
+        for g, lr in zip(topt.param_groups, base):
+            g["lr"] = lr * f
+        loss = task.loss(tmodel, b)
+        value = float(loss.detach())
+        if not math.isfinite(value) or (losses and value > 4 * min(losses)):
+            break  # diverged: the sweep stops, as lr_find's early stop does
+        avg = smooth * avg + (1 - smooth) * value
+        losses.append(avg / (1 - smooth ** (i + 1)))
+        topt.zero_grad(set_to_none=True)
+        loss.backward()
+        topt.step()
+    n = len(losses)
+    if n < 3:
+        factor = factors[0]
+    elif rule == "steep":
+        slopes = [losses[i + 1] - losses[i - 1] for i in range(1, n - 1)]
+        factor = factors[1 + min(range(len(slopes)), key=slopes.__getitem__)]
+    else:
+        factor = factors[min(range(n), key=losses.__getitem__)] / 10
+    state: State = (model, opt, sched)
+    model.train()
+    for b in batches:
+        _step(task, state, b, factor)
+    return model, factor
+
+
 _TO_THE_END = ((0.10, 3), (0.25, 2), (1.0, 1))  # the start and the best challenger are judged finished
 
 # A loop: f(task, model, optimizer, scheduler, batches) -> (final model, end factor).
@@ -481,6 +526,9 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     # steps, as the cooled halving), the confident end picks among the finished runs
     # Mechanic, the published scale tuner: the training gradient along the run's displacement
     "mechanic": mechanic,
+    # the lr range test before the run (lr_find), then plain training at its suggestion
+    "rangetest-steep": range_test,
+    "rangetest-min10": lambda *a: range_test(*a, rule="min10"),
     "trio-z2-lost": lambda *a: halving(*a, mults=(0.1, 1.0, 10.0), cuts=((1.0, 1),), protect=True,
                                        confidence=2.0, lost_start=True, average=False),
 }
