@@ -752,8 +752,29 @@ def test_eval_refuses_a_stored_grid_that_this_machine_does_not_repeat(tmp_path, 
     grids[key]["val"] *= 1.3  # as if another machine's kernels had made it
     grids_path.write_text(json.dumps(grids))
     (tmp_path / "Forks-quick.json").unlink()
-    with pytest.raises(SystemExit, match="does not repeat on this machine.*grid --fresh"):
+    with pytest.raises(SystemExit, match=r"does not repeat on this machine.*grid --fresh"):
         suite.main(args)
     assert not (tmp_path / "Forks-quick.json").exists()
     assert suite.main([*args, "--mixed-numerics"]) == 0
     assert len(json.loads((tmp_path / "Forks-quick.json").read_text())) == 3 * 2
+
+
+def test_two_grids_made_with_other_rounding_are_compared_run_by_run():
+    """benchmarks.lr.numerics: the same runs in two stored grids; a run that ended elsewhere counts
+    as apart (and how far), one equal bit for bit as the same, and a best that moved is named."""
+    from benchmarks.lr.numerics import compare, markdown
+
+    lrs = [0.1 * 10 ** (k / 2) for k in range(-4, 5)]
+    there = {Run("iris_short", "plain", lr, s).key: {"lr": lr, "val": 0.5 + abs(k), "steps": None}
+             for k, lr in enumerate(lrs) for s in SEEDS}
+    here = json.loads(json.dumps(there))
+    best = Run("iris_short", "plain", lrs[0], 0).key
+    here[best]["val"] = 0.5 * 1.5   # 50% apart, still the best
+    rows = compare(there, here)
+    assert [r["task"] for r in rows] == ["iris_short"]
+    (r,) = rows
+    assert (r["runs"], r["same"], r["apart"]) == (18, 17, 1)
+    assert r["largest"] == pytest.approx(0.5) and r["at_best"] == pytest.approx(1.25)
+    here[Run("iris_short", "plain", lrs[1], 0).key]["val"] = 0.01
+    here[Run("iris_short", "plain", lrs[1], 1).key]["val"] = 0.01
+    assert "(moved)" in markdown(compare(there, here))
