@@ -778,3 +778,21 @@ def test_two_grids_made_with_other_rounding_are_compared_run_by_run():
     here[Run("iris_short", "plain", lrs[1], 0).key]["val"] = 0.01
     here[Run("iris_short", "plain", lrs[1], 1).key]["val"] = 0.01
     assert "(moved)" in markdown(compare(there, here))
+
+
+def test_the_noise_table_reads_each_nudged_pair_against_the_oracle():
+    """benchmarks.lr.noise: plain training at the grid's best lr nudged by k parts in a million, its
+    2-seed mean over the grid's; the summary counts the pairs and tasks past 2% and 5%."""
+    from benchmarks.lr import noise
+
+    lrs = [0.1 * 10 ** (k / 2) for k in range(-4, 5)]
+    grids = {Run("iris_short", "plain", lr, s).key: {"lr": lr, "val": 0.5 + abs(k), "steps": None}
+             for k, lr in enumerate(lrs) for s in SEEDS}  # the best: lrs[0], 0.5 on both seeds
+    store = {noise._nudged("iris_short", grids, k, s).key: {"val": 0.5 * f}
+             for k, f in zip(noise.NUDGES, (1.0, 1.03, 1.10)) for s in SEEDS}
+    (row,) = noise.rows(["iris_short"], grids, store)
+    assert row["oracle"] == 0.5 and row["ratios"] == pytest.approx([1.0, 1.03, 1.10])
+    assert noise._nudged("iris_short", grids, 2, 0).lr == pytest.approx(lrs[0] * (1 + 2e-6), rel=1e-12)
+    md = noise.markdown([row])
+    assert "1 end more than 5% above the oracle and 2 more than 2%" in md
+    assert "above 1.05 on 1 of 1 (iris_short)" in md
