@@ -715,7 +715,7 @@ def test_the_mechanic_prototype_learns_a_scale_that_divides_the_start_out():
 
 @pytest.mark.parametrize("rule", ["steep", "min10"])
 def test_the_range_test_sweeps_a_copy_for_its_budget_then_trains_plainly_at_its_suggestion(rule):
-    """lr_find's prototype: the sweep trains a copy for a tenth of the run's steps (the user's
+    """lr_find's prototype: the sweep trains a copy for 100 steps at rising lrs (the user's
     model untouched), then the run is plain training at the suggested multiple of the start's lr."""
     from benchmarks.lr.prototypes import range_test, steps_taken
     from benchmarks.lr.run import plain_train
@@ -727,8 +727,10 @@ def test_the_range_test_sweeps_a_copy_for_its_budget_then_trains_plainly_at_its_
     opt = task.optimizer(model, 0.1)
     steps_taken(reset=True)
     final, factor = range_test(task, model, opt, task.scheduler(opt), batches, rule=rule)
-    assert steps_taken(reset=True) == 100 + 10
-    assert (1e-3 if rule == "steep" else 1e-4) <= factor <= 1e3
+    # the sweep stopped before its last lr (SGD at lr 10 blows the loss up on digits), after the
+    # points the steepest-descent rule skips
+    assert 100 + 12 <= steps_taken(reset=True) < 100 + 100
+    assert 1e-8 <= factor * 0.1 <= 10
     plain = task.model(0)
     popt = task.optimizer(plain, 0.1 * factor)
     plain_train(task, plain, popt, task.scheduler(popt), batches)

@@ -429,43 +429,49 @@ def mechanic(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sch
 
 
 def range_test(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
-               batches: Sequence[Any], *, rule: str = "steep", budget: float = 0.1,
-               low: float = 1e-3, high: float = 1e3, smooth: float = 0.98) -> tuple[torch.nn.Module, float]:
-    """The learning-rate range test (Smith, 2017; ``lr_find`` in fastai and Lightning's ``Tuner``):
-    before the run, a copy of the model and optimizer trains on the run's first batches with the lr
-    factor rising geometrically from ``low`` to ``high`` times the start's, for ``budget`` of the
-    run's steps (the bar's 10%), and the loss is smoothed (an exponential average, debiased). The
-    suggestion is the factor where the smoothed loss falls fastest against ``log lr`` (``"steep"``,
-    Lightning's and fastai's default) or a tenth of where it is lowest (``"min10"``, the rule of
-    thumb for one-cycle's peak). Then the run trains plainly at that factor, from its own start."""
-    k = max(5, round(budget * len(batches)))
-    trial = copy.deepcopy((model, opt))
-    tmodel, topt = trial
-    base = [g["lr"] for g in topt.param_groups]  # the peak lrs: the scheduler has not stepped yet
-    factors = [low * (high / low) ** (i / (k - 1)) for i in range(k)]
+               batches: Sequence[Any], *, rule: str = "steep", steps: int = 100, low: float = 1e-7,
+               high: float = 10.0, smooth: float = 0.98, skip: int = 10) -> tuple[torch.nn.Module, float]:
+    """The learning-rate range test (Smith, 2017), as Lightning's ``Tuner.lr_find`` runs it: before
+    the run, a copy of the model and optimizer trains on the run's first ``steps`` batches with the
+    peak lr rising geometrically from ``low`` to ``high`` (absolute, whatever the start), stopping
+    when the loss passes 4 times its lowest; the loss is smoothed (an exponential average,
+    debiased). The suggestion is the lr where the smoothed loss falls fastest, the first ``skip``
+    points left out (``"steep"``, Lightning's default), or a tenth of the lr where it is lowest
+    (``"min10"``, the rule of thumb for one-cycle's peak). Then the run trains plainly at that peak
+    lr, from its own start. The factor returned is that lr over the start's."""
+    k = min(steps, len(batches))
+    tmodel, topt = copy.deepcopy((model, opt))
+    start = opt.param_groups[0]["lr"]  # the peak lr the optimizer was built with
+    ratios = [g["lr"] / start for g in topt.param_groups]
+    lrs = [low * (high / low) ** (i / (k - 1)) for i in range(k)]
     avg, losses = 0.0, []
     tmodel.train()
-    for i, (b, f) in enumerate(zip(batches, factors)):
+    for i, (b, lr) in enumerate(zip(batches, lrs)):
         _STEPS[0] += 1
-        for g, lr in zip(topt.param_groups, base):
-            g["lr"] = lr * f
+        for g, r in zip(topt.param_groups, ratios):
+            g["lr"] = lr * r
         loss = task.loss(tmodel, b)
         value = float(loss.detach())
-        if not math.isfinite(value) or (losses and value > 4 * min(losses)):
-            break  # diverged: the sweep stops, as lr_find's early stop does
+        if not math.isfinite(value):
+            break
         avg = smooth * avg + (1 - smooth) * value
         losses.append(avg / (1 - smooth ** (i + 1)))
+        if losses[-1] > 4 * min(losses):
+            break  # diverged: lr_find's early stop
         topt.zero_grad(set_to_none=True)
         loss.backward()
         topt.step()
     n = len(losses)
-    if n < 3:
-        factor = factors[0]
-    elif rule == "steep":
-        slopes = [losses[i + 1] - losses[i - 1] for i in range(1, n - 1)]
-        factor = factors[1 + min(range(len(slopes)), key=slopes.__getitem__)]
+    if rule == "steep":
+        if n <= skip + 2:
+            best = 0
+        else:
+            slopes = [losses[i + 1] - losses[i - 1] for i in range(skip, n - 1)]
+            best = skip + min(range(len(slopes)), key=slopes.__getitem__)
+        lr = lrs[best]
     else:
-        factor = factors[min(range(n), key=losses.__getitem__)] / 10
+        lr = lrs[min(range(n), key=losses.__getitem__)] / 10 if n else lrs[0]
+    factor = lr / start
     state: State = (model, opt, sched)
     model.train()
     for b in batches:
