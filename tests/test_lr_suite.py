@@ -798,3 +798,26 @@ def test_the_noise_table_reads_each_nudged_pair_against_the_oracle():
     md = noise.markdown([row])
     assert "1 end more than 5% above the oracle and 2 more than 2%" in md
     assert "above 1.05 on 1 of 1 (iris_short)" in md
+
+
+def test_the_bar_says_what_a_perfect_search_would_read_from_the_nudged_runs(tmp_path, monkeypatch):
+    """bar.resolution: the nudged runs of benchmarks.lr.noise counted against the quality rows'
+    5% and 2%, design and held-out tasks apart; until they exist it names the command."""
+    from benchmarks.lr import bar, noise
+
+    monkeypatch.setattr(noise, "PATH", tmp_path / "noise.json")
+    assert "no runs yet (`python -m benchmarks.lr.noise`)" in bar.resolution()[1]
+    grids = _load(GRIDS)
+    store = {}
+    for t in TASKS:
+        oracle = best_of_grid(t, grids)[2][best_of_grid(t, grids)[0]]
+        for k, f in zip(noise.NUDGES, (1.0, 1.03, 1.10 if t == "digits_lstm" else 1.0)):
+            for s in SEEDS:
+                store[noise._nudged(t, grids, k, s).key] = {"val": oracle * f}
+    (tmp_path / "noise.json").write_text(json.dumps(store))
+    line = bar.resolution()[1]
+    n_design = sum(t not in HELD_OUT for t in TASKS)
+    n_held = len(TASKS) - n_design
+    assert (f"design: {3 * n_design - 1} of {3 * n_design} nudged pairs within 5% of the oracle and "
+            f"{n_design * 2 - 1} within 2%; {n_design - 1} of {n_design} tasks") in line
+    assert f"held-out: {3 * n_held} of {3 * n_held} nudged pairs within 5%" in line

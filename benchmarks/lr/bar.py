@@ -153,6 +153,32 @@ def by_probe_size(method: str) -> list[str]:
     return out
 
 
+def resolution() -> list[str]:
+    """What a perfect search would read on the suite (``python -m benchmarks.lr.noise``): plain
+    training at the grid's best lr by another rounding path, against the two thresholds the quality
+    rows read a run that moved against (markdown lines; empty until the nudged runs exist)."""
+    from benchmarks.lr import noise
+
+    store, grids = _load(noise.PATH), _load(GRIDS)
+    try:
+        table_ = noise.rows(list(TASKS), grids, store)
+    except KeyError:
+        return ["", "What a search landing exactly on the grid's best lr would read: no runs yet "
+                "(`python -m benchmarks.lr.noise`)."]
+    parts = []
+    for held, words in ((False, "design"), (True, "held-out")):
+        cells = [x for r in table_ if r["held_out"] == held for x in r["ratios"]]
+        tasks = [r for r in table_ if r["held_out"] == held]
+        in5, in2 = sum(x <= 1.05 for x in cells), sum(x <= 1.02 for x in cells)
+        steady = sum(max(r["ratios"]) <= 1.05 for r in tasks)
+        parts.append(f"{words}: {in5} of {len(cells)} nudged pairs within 5% of the oracle and {in2} within "
+                     f"2%; {steady} of {len(tasks)} tasks within 5% at every nudge")
+    return ["", "What a search landing exactly on the grid's best lr would read (`python -m "
+            "benchmarks.lr.noise`: plain training there, the lr nudged by parts in a million, so only the "
+            "rounding differs, 2 seeds, three nudges): " + "; ".join(parts) + ". A quality row that reads a "
+            "run which moved (a winner, a recovered start) cannot be met more often than this."]
+
+
 def markdown(method: str) -> str:
     n_held = sum(t in HELD_OUT for t in TASKS)
     out = [f"Produced by `python -m benchmarks.lr.bar --method {method}` from the stored runs of the "
@@ -163,6 +189,7 @@ def markdown(method: str) -> str:
            "| criterion | bar | design tasks | held-out tasks |", "| --- | --- | --- | --- |"]
     out += [f"| {c} | {b} | {d} | {h} |" for c, b, d, h in bar_rows(method)]
     out += by_probe_size(method)
+    out += resolution()
     return "\n".join(out) + "\n"
 
 
