@@ -821,3 +821,21 @@ def test_the_bar_says_what_a_perfect_search_would_read_from_the_nudged_runs(tmp_
     assert (f"design: {3 * n_design - 1} of {3 * n_design} nudged pairs within 5% of the oracle and "
             f"{n_design * 2 - 1} within 2%; {n_design - 1} of {n_design} tasks") in line
     assert f"held-out: {3 * n_held} of {3 * n_held} nudged pairs within 5%" in line
+
+
+def test_the_cost_command_can_flush_subnormal_floats_while_it_measures_and_restores_the_default(
+        monkeypatch, capsys):
+    """--flush-denormal: the runs are timed with subnormal floats flushed to 0 (a diverging fork of
+    an LSTM then runs at the others' speed on a CPU), torch's default is put back after, and the
+    docs' section (the default numerics') is not written."""
+    from benchmarks.lr import cost
+
+    calls = []
+    real = torch.set_flush_denormal
+    monkeypatch.setattr(torch, "set_flush_denormal", lambda on: calls.append(on) or real(on))
+    monkeypatch.setattr(cost, "_save", lambda *a: pytest.fail("the section's store was written"))
+    args = ["--tasks", "iris_short", "--repeats", "1", "--method", "Forks", "--flush-denormal"]
+    assert cost.main(args) == 0
+    assert calls == [True, False]
+    assert "| iris_short |" in capsys.readouterr().out
+    assert torch.tensor(1e-39, dtype=torch.float32) * 1 != 0  # subnormals are back

@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             what = "diverged" if new is None else "trained"
             raise SystemExit(f"{r.key}: the rerun {what}, the grid's run did not")
         if new is not None:
-            worst = max(worst, abs(new - old) / abs(old))
+            worst = max(worst, abs(new - old) / abs(old) if old else abs(new))  # a loss of 0: absolute
     if worst > 1e-3:
         raise SystemExit(f"a rerun's validation loss is {worst:.2g} (relative) off the stored grid's")
     md = f"Reruns agree with the stored grid to {worst:.1g} (relative validation loss).\n\n"
