@@ -478,8 +478,9 @@ def test_the_offgrid_command_runs_as_a_module_and_counts_cells(tmp_path, monkeyp
                          text=True, check=True).stdout
     assert "--offsets" in out and "--method" in out
     monkeypatch.setattr(offgrid, "STORE", tmp_path / "offgrid.json")
+    # the committed grid's runs may end elsewhere on this machine's kernels: cells are counted anyway
     assert offgrid.main(["--method", "halving-end", "--tasks", "iris_short", "--jobs", "1",
-                         "--offsets", "-0.75", "0.25"]) == 0
+                         "--offsets", "-0.75", "0.25", "--mixed-numerics"]) == 0
     md = capsys.readouterr().out
     # a start 10^0.25 = 1.78x the best is near it, one at 10^-0.75 = 0.178x is not
     assert "| iris_short | 1.78x |" in md and "| iris_short | 0.178x |" in md

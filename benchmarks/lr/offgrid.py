@@ -20,7 +20,17 @@ import math
 import os
 from typing import Any
 
-from benchmarks.lr.__main__ import GRIDS, RUNS, SEEDS, _load, _mean, _run_all, _val, best_of_grid
+from benchmarks.lr.__main__ import (
+    GRIDS,
+    RUNS,
+    SEEDS,
+    _load,
+    _mean,
+    _run_all,
+    _val,
+    best_of_grid,
+    numerics_problem,
+)
 from benchmarks.lr.prototypes import LOOPS
 from benchmarks.lr.run import METHODS, Run
 from benchmarks.lr.tasks import HELD_OUT, TASKS
@@ -74,10 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tasks", nargs="*", default=[t for t in TASKS if t not in HELD_OUT])
     p.add_argument("--offsets", nargs="*", type=float, default=[-0.75, -0.25, 0.25, 0.75])
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--mixed-numerics", action="store_true",
+                   help="run against a stored grid whose runs this machine does not repeat bit for bit")
     a = p.parse_args(argv)
     grids = _load(GRIDS)
     store = _load(STORE)
     runs = []
+    if not a.mixed_numerics:
+        numerics_problem(a.tasks[0], grids)
     for task in a.tasks:
         i, lrs, _ = best_of_grid(task, grids)
         for off in a.offsets:

@@ -28,6 +28,7 @@ from benchmarks.lr.__main__ import (
     _run_all,
     bar_counts,
     cells,
+    numerics_problem,
     probe_size,
     table,
     write_section,
@@ -84,9 +85,13 @@ def main(argv: list[str] | None = None) -> int:
                    default=[t for t in TASKS if t not in HELD_OUT and probe_size(t) > PROBE_SPLIT])
     p.add_argument("--sizes", nargs="+", type=int, default=[100])
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--mixed-numerics", action="store_true",
+                   help="run against a stored grid whose runs this machine does not repeat bit for bit")
     a = p.parse_args(argv)
     grids = _load(GRIDS)
     store = _load(STORE)
+    if not a.mixed_numerics:
+        numerics_problem(a.tasks[0], grids)
     runs = [Run(f"{t}@probe{n}", a.method, lr, s) for t in a.tasks for n in a.sizes
             for lr in cells(t, grids).values() for s in SEEDS]
     _run_all(runs, store, STORE, a.jobs)
