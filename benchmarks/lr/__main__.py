@@ -380,7 +380,7 @@ on digits_cnn_bn and 10% on digits_rows_transformer, and single runs of digits_c
 digits_lstm, digits_cnn_adam, digits_rows_transformer, digits_cnn_adamw, cancer_dropout and
 bert_tiny_cosine by 80-340%. So the
 grid is rerun on the machine the methods run on (it was, for the tables below), and `eval` refuses
-a stored grid whose run at a task's best lr does not repeat here; and on those tasks a gap of
+a stored grid whose runs at the best lr of a few tasks do not repeat here; and on those tasks a gap of
 several percent between two runs that took different paths (a winner against the grid's run at
 the same lr) is within this noise.
 
