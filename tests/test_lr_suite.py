@@ -840,3 +840,28 @@ def test_the_cost_command_can_flush_subnormal_floats_while_it_measures_and_resto
     assert calls == [True, False]
     assert "| iris_short |" in capsys.readouterr().out
     assert torch.tensor(1e-39, dtype=torch.float32) * 1 != 0  # subnormals are back
+
+
+def test_split_forks_share_each_batch_between_the_forks_alive():
+    """halving(split=True): at every step the forks alive train on disjoint parts of the batch,
+    which together are the batch (five parts, then three, then two after the cuts)."""
+    from benchmarks.lr import prototypes
+
+    task = replace(TASKS["digits_mlp"], steps=60)
+    model = task.model(0)
+    opt = task.optimizer(model, 0.1)
+    gen = torch.Generator().manual_seed(3)
+    batches = [task.sample(gen) for _ in range(task.steps)]
+    seen = []
+    real = prototypes._step
+    prototypes._step = lambda t, state, b, f: seen.append(b[0]) or real(t, state, b, f)
+    try:
+        prototypes.halving(task, model, opt, task.scheduler(opt), batches,
+                           cuts=((0.1, 3), (0.25, 2), (1.0, 1)), protect=True, split=True)
+    finally:
+        prototypes._step = real
+    sizes = [len(x) for x in seen]
+    assert sum(sizes) == sum(len(b[0]) for b in batches)  # every row once, no more
+    assert len(seen) == 5 * 6 + 3 * 9 + 2 * 45
+    step_one = torch.cat(seen[:5])
+    assert torch.equal(step_one, batches[0][0])  # the five parts of the first batch, in order

@@ -190,7 +190,8 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             protect: bool = False, cool: float = 0.0, confidence: float = 0.0,
             lost_start: bool = False, average: bool = True,
             sided: bool = False, sign: float = 0.0, reserve: float = 0.0,
-            drop: float = 0.0, train: tuple[float, float] = ()) -> tuple[torch.nn.Module, float]:
+            drop: float = 0.0, train: tuple[float, float] = (),
+            split: bool = False) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -223,7 +224,10 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     ``(zp, zt)`` the end's test also passes a challenger that leads by ``zp`` standard errors on the
     probe and by ``zt`` on a fixed sample of the training split (:meth:`Task.train_sample`, eval
     mode): underfitting, the usual state of a run whose lr is too low, shows on the training split,
-    which holds many more examples than a small probe."""
+    which holds many more examples than a small probe. With ``split`` the forks share each batch
+    instead of each taking all of it, as data-parallel replicas share a global batch: the ``n`` forks
+    alive train on its ``n`` disjoint parts (their annealed copies on the parts of theirs), so the
+    search costs about one run's examples; the winner has trained on a part of every batch."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total) if average else 1.0
@@ -238,10 +242,11 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     reserved, named = [False] * len(forks), False
     model.train()
     for t, b in enumerate(batches, 1):
+        live = [i for i in range(len(forks)) if alive[i]]
         for i, f in enumerate(forks):
             if alive[i]:
                 torch.random.set_rng_state(rngs[i])
-                alive[i] = _step(task, f, b, factors[i])
+                alive[i] = _step(task, f, _part(b, live.index(i), len(live)) if split else b, factors[i])
                 rngs[i] = torch.random.get_rng_state()
                 with torch.no_grad():
                     torch._foreach_lerp_(emas[i], list(f[0].parameters()), lam)
@@ -250,8 +255,10 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             if cool > 0 and t < total:  # a finished fork is scored as it is
                 k = max(1, round(cool * total))
                 nxt = [batches[(t + j) % total] for j in range(k)]
-                copies = [_cooled_copy(task, f, m, nxt) if ok else None
-                          for f, m, ok in zip(forks, factors, alive)]
+                live = [i for i in range(len(forks)) if alive[i]]
+                copies = [_cooled_copy(task, f, m, [_part(x, live.index(i), len(live)) for x in nxt]
+                                       if split else nxt) if ok else None
+                          for i, (f, m, ok) in enumerate(zip(forks, factors, alive))]
                 scores = [math.inf if c is None else _scored(task, c[0], _last(c)) for c in copies]
             else:
                 scores = [_scored(task, f[0], e) if ok else math.inf for f, e, ok in zip(forks, emas, alive)]
@@ -292,6 +299,11 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             reserved = [reserved[i] for i in order]
     torch.random.set_rng_state(rngs[0])  # the global RNG ends where the survivor's run left it
     return forks[0][0], factors[0]
+
+
+def _part(batch: Any, i: int, n: int) -> Any:
+    """Part ``i`` of ``n`` disjoint parts of a batch of tensors (rows split as evenly as they go)."""
+    return tuple(x.tensor_split(n)[i] for x in batch)
 
 
 def _passes(challenger: torch.Tensor, start: torch.Tensor, z: float, sign: float) -> bool:
@@ -532,6 +544,10 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     # steps, as the cooled halving), the confident end picks among the finished runs
     # Mechanic, the published scale tuner: the training gradient along the run's displacement
     "mechanic": mechanic,
+    # Forks' design with the forks sharing each batch, as data-parallel replicas would (one run's examples)
+    "split-end-cool-z2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
+                                                      confidence=2.0, lost_start=True, average=False,
+                                                      split=True),
     # the lr range test before the run (lr_find), then plain training at its suggestion
     "rangetest-steep": range_test,
     "rangetest-min10": lambda *a: range_test(*a, rule="min10"),
