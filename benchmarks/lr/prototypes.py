@@ -191,7 +191,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             lost_start: bool = False, average: bool = True,
             sided: bool = False, sign: float = 0.0, reserve: float = 0.0,
             drop: float = 0.0, train: tuple[float, float] = (),
-            split: bool = False) -> tuple[torch.nn.Module, float]:
+            split: bool = False, split_over: int = 1) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -227,7 +227,9 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     which holds many more examples than a small probe. With ``split`` the forks share each batch
     instead of each taking all of it, as data-parallel replicas share a global batch: the ``n`` forks
     alive train on its ``n`` disjoint parts (their annealed copies on the parts of theirs), so the
-    search costs about one run's examples; the winner has trained on a part of every batch."""
+    search costs about one run's examples; the winner has trained on a part of every batch. With
+    ``split_over`` ``k`` they share batches only while more than ``k`` forks are alive (with 2: the
+    phases before the last cut), and take whole batches after."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total) if average else 1.0
@@ -246,7 +248,8 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
         for i, f in enumerate(forks):
             if alive[i]:
                 torch.random.set_rng_state(rngs[i])
-                alive[i] = _step(task, f, _part(b, live.index(i), len(live)) if split else b, factors[i])
+                shared = split and len(live) > split_over
+                alive[i] = _step(task, f, _part(b, live.index(i), len(live)) if shared else b, factors[i])
                 rngs[i] = torch.random.get_rng_state()
                 with torch.no_grad():
                     torch._foreach_lerp_(emas[i], list(f[0].parameters()), lam)
@@ -257,7 +260,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                 nxt = [batches[(t + j) % total] for j in range(k)]
                 live = [i for i in range(len(forks)) if alive[i]]
                 copies = [_cooled_copy(task, f, m, [_part(x, live.index(i), len(live)) for x in nxt]
-                                       if split else nxt) if ok else None
+                                       if split and len(live) > split_over else nxt) if ok else None
                           for i, (f, m, ok) in enumerate(zip(forks, factors, alive))]
                 scores = [math.inf if c is None else _scored(task, c[0], _last(c)) for c in copies]
             else:
@@ -548,6 +551,11 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "split-end-cool-z2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                       confidence=2.0, lost_start=True, average=False,
                                                       split=True),
+    # the same, sharing batches only until the last cut (your run and the challenger take whole
+    # batches to the end): about 1.8x one run's examples
+    "split-early-end-cool-z2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
+                                                            confidence=2.0, lost_start=True, average=False,
+                                                            split=True, split_over=2),
     # the lr range test before the run (lr_find), then plain training at its suggestion
     "rangetest-steep": range_test,
     "rangetest-min10": lambda *a: range_test(*a, rule="min10"),
