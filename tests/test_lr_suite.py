@@ -865,3 +865,26 @@ def test_split_forks_share_each_batch_between_the_forks_alive():
     assert len(seen) == 5 * 6 + 3 * 9 + 2 * 45
     step_one = torch.cat(seen[:5])
     assert torch.equal(step_one, batches[0][0])  # the five parts of the first batch, in order
+
+
+def test_split_forks_take_whole_batches_once_no_more_than_split_over_are_alive():
+    """halving(split=True, split_over=2): parts while 5 and 3 forks are alive, whole batches for
+    your run and the challenger after the second cut."""
+    from benchmarks.lr import prototypes
+
+    task = replace(TASKS["digits_mlp"], steps=60)
+    model = task.model(0)
+    opt = task.optimizer(model, 0.1)
+    gen = torch.Generator().manual_seed(3)
+    batches = [task.sample(gen) for _ in range(task.steps)]
+    seen = []
+    real = prototypes._step
+    prototypes._step = lambda t, state, b, f: seen.append(len(b[0])) or real(t, state, b, f)
+    try:
+        prototypes.halving(task, model, opt, task.scheduler(opt), batches,
+                           cuts=((0.1, 3), (0.25, 2), (1.0, 1)), protect=True, split=True, split_over=2)
+    finally:
+        prototypes._step = real
+    b = len(batches[0][0])
+    assert len(seen) == 5 * 6 + 3 * 9 + 2 * 45
+    assert sum(seen[:5 * 6 + 3 * 9]) == 15 * b and set(seen[5 * 6 + 3 * 9:]) == {b}
