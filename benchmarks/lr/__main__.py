@@ -378,11 +378,11 @@ and ends more than 1% apart in 77 (`python -m benchmarks.lr.numerics` compares t
 run). No task's best lr moved, but the 2-seed mean at the best lr moved by 44% on digits_lstm, 15%
 on digits_cnn_bn and 10% on digits_rows_transformer, and single runs of digits_cnn_bn,
 digits_lstm, digits_cnn_adam, digits_rows_transformer, digits_cnn_adamw, cancer_dropout and
-bert_tiny_cosine by 80-340%. So the
-grid is rerun on the machine the methods run on (it was, for the tables below), and `eval` refuses
-a stored grid whose runs at the best lr of a few tasks do not repeat here; and on those tasks a gap of
-several percent between two runs that took different paths (a winner against the grid's run at
-the same lr) is within this noise.
+bert_tiny_cosine by 80-340%. So the grid is rerun on the machine the methods run on (it was, for
+the tables below), and `eval` refuses a stored grid whose runs at the best lr of a few tasks do
+not repeat here; and on those tasks a gap of several percent between two runs that took
+different paths (a winner against the grid's run at the same lr) is within this noise
+(`python -m benchmarks.lr.noise` measures it: docs/method.md, "What the suite can resolve").
 
 {grids}
 
