@@ -492,12 +492,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{both - len(differ)}" + "".join(f"\n  differ: {k}" for k in differ))
         return 0
     tables = []
+    if a.command == "eval" and not a.mixed_numerics:
+        numerics_problem(a.tasks[0], grids, steps)
     for method in a.method:
         path = RUNS / f"{method}{'-quick' if a.quick else ''}.json"
         store = {} if a.fresh and a.command == "eval" else _load(path)
         if a.command == "eval":
-            if not a.mixed_numerics:
-                numerics_problem(a.tasks[0], grids, steps)
             runs = [Run(t, method, lr, s, steps) for t in a.tasks
                     for lr in cells(t, grids, steps).values() for s in SEEDS]
             _run_all(runs, store, path, a.jobs)

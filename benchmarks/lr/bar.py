@@ -156,7 +156,8 @@ def by_probe_size(method: str) -> list[str]:
 def resolution() -> list[str]:
     """What a perfect search would read on the suite (``python -m benchmarks.lr.noise``): plain
     training at the grid's best lr by another rounding path, against the two thresholds the quality
-    rows read a run that moved against (markdown lines; empty until the nudged runs exist)."""
+    rows read a run that moved against (markdown lines; until the nudged runs exist, a line naming
+    the command that makes them)."""
     from benchmarks.lr import noise
 
     store, grids = _load(noise.PATH), _load(GRIDS)
