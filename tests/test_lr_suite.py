@@ -842,9 +842,9 @@ def test_the_cost_command_can_flush_subnormal_floats_while_it_measures_and_resto
     assert torch.tensor(1e-39, dtype=torch.float32) * 1 != 0  # subnormals are back
 
 
-def test_split_forks_share_each_batch_between_the_forks_alive():
-    """halving(split=True): at every step the forks alive train on disjoint parts of the batch,
-    which together are the batch (five parts, then three, then two after the cuts)."""
+def _split_halving(**kw):
+    """halving(split=True) on 60 steps of digits_mlp (cuts at 10% to 3 and 25% to 2): the run's
+    batches and the input of every optimizer step taken, in order."""
     from benchmarks.lr import prototypes
 
     task = replace(TASKS["digits_mlp"], steps=60)
@@ -857,34 +857,26 @@ def test_split_forks_share_each_batch_between_the_forks_alive():
     prototypes._step = lambda t, state, b, f: seen.append(b[0]) or real(t, state, b, f)
     try:
         prototypes.halving(task, model, opt, task.scheduler(opt), batches,
-                           cuts=((0.1, 3), (0.25, 2), (1.0, 1)), protect=True, split=True)
+                           cuts=((0.1, 3), (0.25, 2), (1.0, 1)), protect=True, split=True, **kw)
     finally:
         prototypes._step = real
-    sizes = [len(x) for x in seen]
-    assert sum(sizes) == sum(len(b[0]) for b in batches)  # every row once, no more
+    return batches, seen
+
+
+def test_split_forks_share_each_batch_between_the_forks_alive():
+    """halving(split=True): at every step the forks alive train on disjoint parts of the batch,
+    which together are the batch (five parts, then three, then two after the cuts)."""
+    batches, seen = _split_halving()
+    assert sum(len(x) for x in seen) == sum(len(b[0]) for b in batches)  # every row once, no more
     assert len(seen) == 5 * 6 + 3 * 9 + 2 * 45
-    step_one = torch.cat(seen[:5])
-    assert torch.equal(step_one, batches[0][0])  # the five parts of the first batch, in order
+    assert torch.equal(torch.cat(seen[:5]), batches[0][0])  # the five parts of the first batch, in order
 
 
 def test_split_forks_take_whole_batches_once_no_more_than_split_over_are_alive():
     """halving(split=True, split_over=2): parts while 5 and 3 forks are alive, whole batches for
     your run and the challenger after the second cut."""
-    from benchmarks.lr import prototypes
-
-    task = replace(TASKS["digits_mlp"], steps=60)
-    model = task.model(0)
-    opt = task.optimizer(model, 0.1)
-    gen = torch.Generator().manual_seed(3)
-    batches = [task.sample(gen) for _ in range(task.steps)]
-    seen = []
-    real = prototypes._step
-    prototypes._step = lambda t, state, b, f: seen.append(len(b[0])) or real(t, state, b, f)
-    try:
-        prototypes.halving(task, model, opt, task.scheduler(opt), batches,
-                           cuts=((0.1, 3), (0.25, 2), (1.0, 1)), protect=True, split=True, split_over=2)
-    finally:
-        prototypes._step = real
+    batches, seen = _split_halving(split_over=2)
     b = len(batches[0][0])
-    assert len(seen) == 5 * 6 + 3 * 9 + 2 * 45
-    assert sum(seen[:5 * 6 + 3 * 9]) == 15 * b and set(seen[5 * 6 + 3 * 9:]) == {b}
+    sizes = [len(x) for x in seen]
+    assert len(sizes) == 5 * 6 + 3 * 9 + 2 * 45
+    assert sum(sizes[:5 * 6 + 3 * 9]) == 15 * b and set(sizes[5 * 6 + 3 * 9:]) == {b}
