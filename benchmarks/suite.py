@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
@@ -472,7 +471,3 @@ def run_suite(cfg: SuiteConfig, log: Callable[[str], None] = print,
 
 def default_jobs() -> int:
     return max(1, min(2, os.cpu_count() or 1))
-
-
-def eprint(*a):
-    print(*a, file=sys.stderr, flush=True)

@@ -6,9 +6,10 @@
   named parameter groups, weight decay, dropout, label smoothing, attention temperature).
 * ``cnn``: a small CNN with BatchNorm on the digits images, SGD + momentum; two knobs
   (lr, weight decay). Compared on validation accuracy as well as loss.
-* ``gru``: a character-level GRU on the same text, trained with Adam for a longer run
-  (1000 steps); one knob (lr). Used by the acceptance benchmark of the one-run search
-  (``python -m benchmarks.acceptance``), not by the suite.
+
+These are the tasks of the study of the paper's controller (``python -m benchmarks``). The
+learning-rate suite, which judges the learning-rate search, has its own registry of 37 tasks
+(``benchmarks/lr/tasks.py``).
 
 Every task has a fixed train / probe / validation split (the split does not depend
 on the run's seed; the seed sets the initial weights and the batch order). Plain
@@ -375,97 +376,6 @@ class CharLM(Task):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-class CharGRU(Task):
-    """A recurrent model on the same text: embedding, one GRU layer, a linear head; Adam, no
-    regularisers. Another family than the transformer (sequential state, no attention), and a
-    longer run with a smaller batch."""
-
-    CTX = 32
-
-    def data(self):
-        d = _text()
-        if "gru_probe" not in d:
-            g = torch.Generator().manual_seed(77)
-            d["gru_probe"] = [self._windows(d["probe_ids"], 64, g) for _ in range(2)]
-            d["gru_val"] = [self._windows(d["val_ids"], 128, g) for _ in range(4)]
-        return {**d, "probe": d["gru_probe"], "val": d["gru_val"]}
-
-    _windows = CharLM._windows
-
-    def sample(self, gen, size):
-        return self._windows(_text()["train"], size, gen)
-
-    def model(self, seed):
-        return _init(_GRULM(_text()["vocab"]), seed)
-
-    def optimizer(self, model):
-        return torch.optim.Adam(model.parameters(), lr=0.0)
-
-    def knobs(self, lr, spread, schedule, scale=1.0):
-        return [hpx.LearningRate("lr", base=lr, spread=spread * scale, schedule=schedule)]
-
-    def loss(self, model, batch, values=None):
-        x, y = batch
-        logits = model(x)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
-    probe_loss = loss
-
-    def chance_loss(self):
-        return math.log(_text()["vocab"])
-
-
-class _GRULM(nn.Module):
-    def __init__(self, vocab: int, d: int = 32, hidden: int = 96) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.rnn = nn.GRU(d, hidden, batch_first=True)
-        self.head = nn.Linear(hidden, vocab)
-
-    def forward(self, idx):
-        h, _ = self.rnn(self.tok(idx))
-        return self.head(h)
-
-
-# ----------------------------------------------------------------------------- small tabular
-
-
-@cache
-def _cancer() -> dict[str, Any]:
-    """Breast cancer (Wisconsin): 369 train, 100 probe, 100 validation rows (a fixed shuffle),
-    features standardised with the training rows' statistics."""
-    from sklearn.datasets import load_breast_cancer
-
-    x, y = load_breast_cancer(return_X_y=True)
-    x = torch.tensor(x, dtype=torch.float32)
-    y = torch.tensor(y, dtype=torch.long)
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(1234))
-    x, y = x[perm], y[perm]
-    tr, pr = 369, 469
-    mean, std = x[:tr].mean(0), x[:tr].std(0).clamp_min(1e-6)
-    x = (x - mean) / std
-    return {"train": (x[:tr], y[:tr]), "probe": [(x[tr:pr], y[tr:pr])], "val": [(x[pr:], y[pr:])]}
-
-
-class TabularMLP(DigitsMLP):
-    """A small tabular problem trained for many epochs: where a fast start overfits by the end."""
-
-    WD = 1e-2
-
-    def data(self):
-        return _cancer()
-
-    def model(self, seed):
-        return _init(nn.Sequential(nn.Linear(30, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                                   nn.Linear(64, 2)), seed)
-
-    def optimizer(self, model):
-        return torch.optim.AdamW(model.parameters(), lr=0.0, weight_decay=self.WD)
-
-    def chance_loss(self):
-        return math.log(2)
-
-
 TASKS: dict[str, Callable[..., Task]] = {
     "mlp": lambda **kw: DigitsMLP(**{"name": "mlp", "title": "digits MLP 64-128-10 (SGD)", "steps": 600,
                                      "batch": 64, "sync_every": 20, "grid_center": 0.3, **kw}),
@@ -476,13 +386,6 @@ TASKS: dict[str, Callable[..., Task]] = {
     "cnn": lambda **kw: DigitsCNN(**{"name": "cnn", "title": "digits CNN + BatchNorm (SGD)",
                                      "steps": 600, "batch": 64, "sync_every": 20, "grid_center": 0.1,
                                      "metric": "acc", **kw}),
-    "gru": lambda **kw: CharGRU(**{"name": "gru", "title": "char GRU (d 32, hidden 96, ctx 32), pydoc, Adam",
-                                   "steps": 1000, "batch": 16, "sync_every": 25, "grid_center": 1e-2,
-                                   **kw}),
-    "tabular": lambda **kw: TabularMLP(**{"name": "tabular",
-                                          "title": "breast-cancer MLP 30-64-64-2 (369 rows), AdamW",
-                                          "steps": 1800, "batch": 32, "sync_every": 20, "grid_center": 1e-3,
-                                          **kw}),
 }
 
 

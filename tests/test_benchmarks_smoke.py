@@ -96,29 +96,6 @@ def test_rewriting_keeps_other_sections(tmp_path):
     assert text.count("<!-- bench_quality -->") == 1
 
 
-def test_acceptance_benchmark_runs_every_cell_and_judges_every_criterion(tmp_path):
-    """python -m benchmarks.acceptance --quick: the plumbing of the recommended setup's benchmark."""
-    from benchmarks import acceptance
-
-    res = tmp_path / "acc.json"
-    assert acceptance.main(["--quick", "--fresh", "--tasks", "mlp,gru", "--results", str(res),
-                            "--out", str(tmp_path)]) == 0
-    results = load_results(res)
-    cfg = acceptance.config(True, ("mlp", "gru"), 1)
-    a = acceptance.analyse(cfg, results)
-    assert [(c["task"], c["start"]) for c in a["cells"]] == [
-        (t, s) for t in ("mlp", "gru") for s in STARTS]
-    for c in a["cells"]:
-        assert c["hpx_losses"] and all(math.isfinite(x) or x == math.inf for x in c["hpx_losses"])
-        assert c["end_lr"] and all(e > 0 for e in c["end_lr"])
-        assert 0 < c["compute"] < 10
-    assert set(a["criteria"]["met"]) == {"1. do no harm", "2. recover", "3. at the oracle",
-                                         "4. no run lost"}
-    doc = (tmp_path / "benchmarks.md").read_text()
-    assert doc.count("| mlp |") == 3 and doc.count("| gru |") == 3
-    assert "python -m benchmarks.acceptance --quick" in doc
-
-
 def test_reliability_in_process_scenarios_of_this_round_survive(tmp_path):
     """The cheap in-process rows of python -m benchmarks.reliability (the torchrun and longer
     scenarios run only with the benchmark itself)."""
