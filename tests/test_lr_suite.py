@@ -880,3 +880,39 @@ def test_split_forks_take_whole_batches_once_no_more_than_split_over_are_alive()
     sizes = [len(x) for x in seen]
     assert len(sizes) == 5 * 6 + 3 * 9 + 2 * 45
     assert sum(sizes[:5 * 6 + 3 * 9]) == 15 * b and set(sizes[5 * 6 + 3 * 9:]) == {b}
+
+
+def test_the_bar_says_what_the_probes_own_pick_would_read(tmp_path, monkeypatch):
+    """bar.probe_ceiling: the grid's runs' probe losses counted against the quality rows, design and
+    held-out apart. A probe that agrees with validation reads every task within 2%; one task whose
+    probe prefers the grid's largest lr loses exactly that task and its two runs' lr; a grid run
+    without a probe loss makes it name the command instead."""
+    from benchmarks.lr import bar
+
+    grids = _load(GRIDS)
+    fake = {k: {**r, "probe": r["val"]} for k, r in grids.items()}
+    flipped = "digits_mlp"  # a design task; its grid's largest lr is far above its best
+    lrs = grid_lrs(flipped, grids)
+    i, _, means = best_of_grid(flipped, grids)
+    for s in SEEDS:
+        for lr in lrs:
+            fake[Run(flipped, "plain", lr, s).key]["probe"] = -lr
+    top = [grids[Run(flipped, "plain", lrs[-1], s).key]["val"] for s in SEEDS]
+    assert None not in top and sum(top) / 2 > 1.05 * means[i] and lrs[-1] > 3 * lrs[i]
+    path = tmp_path / "grids.json"
+    path.write_text(json.dumps(fake))
+    monkeypatch.setattr(bar, "GRIDS", path)
+    import benchmarks.lr.__main__ as suite
+
+    monkeypatch.setattr(suite, "RUNS", tmp_path)  # no stored ceiling runs to fill a gap from
+    line = bar.probe_ceiling()[1]
+    n_design = sum(t not in HELD_OUT for t in TASKS)
+    n_held = len(TASKS) - n_design
+    assert f"design: within 2% of the grid's best on {n_design - 1} of {n_design} tasks" in line
+    assert f"within 5% on {n_design - 1} of {n_design}" in line
+    assert f"held-out: within 2% of the grid's best on {n_held} of {n_held} tasks" in line
+    design_lr3 = int(line.split("design:")[1].split("the lr within 3x in ")[1].split(" of")[0])
+    assert design_lr3 <= 2 * n_design - 2
+    del fake[Run(flipped, "plain", lrs[0], 0).key]["probe"]
+    path.write_text(json.dumps(fake))
+    assert "carry no probe loss yet (`python -m benchmarks.lr.ceiling`)" in bar.probe_ceiling()[1]

@@ -27,6 +27,7 @@ from benchmarks.lr.__main__ import (
     RUNS,
     _load,
     bar_counts,
+    probe_picks,
     probe_size,
     table,
     write_section,
@@ -38,7 +39,7 @@ from benchmarks.lr.prototypes import LOOPS
 from benchmarks.lr.run import METHODS
 from benchmarks.lr.tasks import HELD_OUT, TASKS
 
-__all__ = ["bar_rows", "by_probe_size", "main", "markdown"]
+__all__ = ["bar_rows", "by_probe_size", "main", "markdown", "probe_ceiling", "resolution"]
 
 # the tests that check the optimizer follows a scheduler's momentum / beta1 cycle as torch does
 CYCLE_TESTS = {
@@ -180,6 +181,29 @@ def resolution() -> list[str]:
             "run which moved (a winner, a recovered start) cannot be met more often than this."]
 
 
+def probe_ceiling() -> list[str]:
+    """What a search that picked the best finished grid run on the probe would read (the probe's
+    pick, ``python -m benchmarks.lr.ceiling``) against the quality rows, design and held-out tasks
+    apart (markdown lines; until every grid run carries its probe loss, a line naming the command)."""
+    from benchmarks.lr import ceiling
+
+    grids = _load(GRIDS)
+    if any(probe_picks(t, grids) is None for t in TASKS):
+        return ["", "What the probe's own pick would read: some grid runs carry no probe loss yet "
+                "(`python -m benchmarks.lr.ceiling`)."]
+    rows = ceiling.pick_rows(list(TASKS), grids)
+    parts = []
+    for held, words in ((False, "design"), (True, "held-out")):
+        harm, rec, lr3, n = ceiling.pick_counts([r for r in rows if r["held_out"] == held])
+        parts.append(f"{words}: within 2% of the grid's best on {harm} of {n} tasks, within 5% on {rec} "
+                     f"of {n}, the lr within 3x in {lr3} of {2 * n} runs")
+    return ["", "What the probe's own pick would read (`python -m benchmarks.lr.ceiling`: each seed's "
+            "grid run that scores lowest on the probe at its end, the choice of a search that had every "
+            "finished run of the grid in hand): " + "; ".join(parts) + ". A search that moves the lr "
+            "toward what the probe prefers cannot do better than this, except where an error of its own "
+            "cancels the probe's."]
+
+
 def markdown(method: str) -> str:
     n_held = sum(t in HELD_OUT for t in TASKS)
     out = [f"Produced by `python -m benchmarks.lr.bar --method {method}` from the stored runs of the "
@@ -191,6 +215,7 @@ def markdown(method: str) -> str:
     out += [f"| {c} | {b} | {d} | {h} |" for c, b, d, h in bar_rows(method)]
     out += by_probe_size(method)
     out += resolution()
+    out += probe_ceiling()
     return "\n".join(out) + "\n"
 
 

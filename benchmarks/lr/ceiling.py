@@ -50,14 +50,17 @@ from benchmarks.lr.__main__ import (
 from benchmarks.lr.run import Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
-__all__ = ["main"]
+__all__ = ["main", "pick_counts", "pick_rows"]
 
 STORE = RUNS / "ceiling.json"
 CHUNKS = RUNS / "ceiling-chunks.json"
 HALVES = RUNS / "ceiling-val.json"
 
 
-def _rows(tasks: list[str], grids: dict[str, Any]) -> list[dict[str, Any]]:
+def pick_rows(tasks: list[str], grids: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per task: the probe's pick of each seed (over the grid's best lr), the validation
+    loss there (mean of the seeds) and over the grid's best; every grid run must carry its probe
+    loss (:func:`benchmarks.lr.__main__.probe_picks`)."""
     rows = []
     for task in tasks:
         i, lrs, means = best_of_grid(task, grids)
@@ -86,10 +89,7 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
             seeds = ", ".join(f"{x:.3g}" for x in r["picks"])
             out.append(f"| {r['task']} | {r['probe']} | {r['best']:.3g} | {seeds} | {r['val']:.4f} | "
                        f"{r['vs_best']:.3f} |")
-        n = len(part)
-        harm = sum(r["vs_best"] <= 1.02 for r in part)
-        rec = sum(r["vs_best"] <= 1.05 for r in part)
-        lr3 = sum(1 / 3 <= x <= 3 for r in part for x in r["picks"])
+        harm, rec, lr3, n = pick_counts(part)
         out += ["", f"The suite's bar read on the probe's pick ({title.lower()}): within 2% of the grid's "
                 f"best on {harm} of {n} tasks (the no-harm bar: 90%), within 5% on {rec} of {n} (the "
                 f"recovery bar: 75% of cells), the lr within 3x of the grid's best in {lr3} of {2 * n} "
@@ -100,6 +100,15 @@ def _markdown(rows: list[dict[str, Any]]) -> str:
         out.append(f"Probes of {what}: the pick is the grid's best on both seeds on {hits} of {len(part)} "
                    f"tasks (both sets).")
     return "\n".join(out)
+
+
+def pick_counts(rows: list[dict[str, Any]]) -> tuple[int, int, int, int]:
+    """The suite's bar read on the probe's pick of :func:`pick_rows`: tasks within 2% of the grid's
+    best, within 5%, runs whose pick is within 3x of the grid's best lr, and the tasks counted."""
+    harm = sum(r["vs_best"] <= 1.02 for r in rows)
+    rec = sum(r["vs_best"] <= 1.05 for r in rows)
+    lr3 = sum(1 / 3 <= x <= 3 for r in rows for x in r["picks"])
+    return harm, rec, lr3, len(rows)
 
 
 _SMALL = 200  # examples in the probe split (tokens for a language model)
@@ -198,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if worst > 1e-3:
         raise SystemExit(f"a rerun's validation loss is {worst:.2g} (relative) off the stored grid's")
     md = f"Reruns agree with the stored grid to {worst:.1g} (relative validation loss).\n\n"
-    md += _markdown(_rows(a.tasks, grids))
+    md += _markdown(pick_rows(a.tasks, grids))
     if a.chunks:
         big = [t for t in a.tasks if sum(y.numel() for _, y in get_task(t).probe()) > max(a.chunks)]
         chunked = _load(CHUNKS)
