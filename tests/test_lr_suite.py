@@ -916,3 +916,48 @@ def test_the_bar_says_what_the_probes_own_pick_would_read(tmp_path, monkeypatch)
     del fake[Run(flipped, "plain", lrs[0], 0).key]["probe"]
     path.write_text(json.dumps(fake))
     assert "carry no probe loss yet (`python -m benchmarks.lr.ceiling`)" in bar.probe_ceiling()[1]
+
+
+def test_the_end_tests_robust_statistics_read_a_heavy_tail_as_they_should():
+    """benchmarks.lr.endtest: Yuen's statistic with nothing trimmed is the mean's z; the signed-rank
+    statistic is 0 on differences symmetric about 0 and takes its sign from them; with one huge
+    difference against the rest, the mean's z falls below 2 while the trimmed and rank statistics
+    still read the lead the other differences show."""
+    from benchmarks.lr.endtest import STATISTICS, signrank_z, trimmed_z
+    from hpx._forks import paired_gain
+
+    g = torch.Generator().manual_seed(0)
+    d = torch.randn(60, generator=g, dtype=torch.float64) + 0.5
+    assert trimmed_z(d, 0.0) == pytest.approx(paired_gain(torch.zeros_like(d), d), rel=1e-12)
+    assert STATISTICS["mean"](d) == pytest.approx(trimmed_z(d, 0.0), rel=1e-12)
+    sym = torch.cat([d, -d])
+    assert signrank_z(sym) == pytest.approx(0.0, abs=1e-12)
+    assert signrank_z(d) > 2 and signrank_z(-d) == pytest.approx(-signrank_z(d))
+    tailed = d.clone()
+    tailed[0] = -200.0  # one example the challenger gets badly wrong
+    assert STATISTICS["mean"](tailed) < 1
+    assert trimmed_z(tailed, 0.1) > 2 and trimmed_z(tailed, 0.2) > 2 and signrank_z(tailed) > 2
+    ties = torch.tensor([1.0, 1.0, 1.0, -1.0, 0.0, 2.0], dtype=torch.float64)
+    # ranks of |d| with zeros dropped: the four 1s share rank 2.5, the 2 has rank 5
+    w, n = 2.5 * 3 + 5, 5
+    var = n * (n + 1) * (2 * n + 1) / 24 - (4 ** 3 - 4) / 48
+    assert signrank_z(ties) == pytest.approx((w - n * (n + 1) / 4) / math.sqrt(var), rel=1e-12)
+
+
+def test_the_end_tests_replay_counts_passes_by_where_they_start_and_what_validation_says():
+    """benchmarks.lr.endtest.table: a pass from the grid's best onto a challenger more than 2% worse
+    is a bad pass from 1x; from 10x off a pass of a challenger 5% better is a good one, of one more
+    than 2% worse a bad one; each statistic is read at the threshold given."""
+    from benchmarks.lr.endtest import STATISTICS, table
+
+    def row(start, ratio, **z):
+        return {"start": start, "ratio": ratio, **{k: z.get(k, 0.0) for k in STATISTICS}}
+
+    rows = [row("1x", 1.10, mean=3.0, signrank=3.0), row("10x", 0.90, trim10=2.5, signrank=2.0),
+            row("0.1x", 0.80, mean=2.0, trim10=2.0), row("10x", 1.30, trim20=5.0, signrank=1.9)]
+    lines = {ln.split(" | ")[0][2:]: ln for ln in table(rows, 2.0).splitlines()[2:]}
+    assert lines["mean"] == "| mean | 1 | 1 of 2 | 0 | 1 / 1 |"
+    assert lines["trim10"] == "| trim10 | 0 | 2 of 2 | 0 | 2 / 0 |"
+    assert lines["trim20"] == "| trim20 | 0 | 0 of 2 | 1 | 0 / 1 |"
+    assert lines["signrank"] == "| signrank | 1 | 1 of 2 | 0 | 1 / 1 |"
+    assert "passes at z >= 1.5" in table(rows, 1.5)
