@@ -39,7 +39,7 @@ import torch
 from benchmarks.lr.__main__ import GRIDS, SEEDS, _load, _val, best_of_grid
 from benchmarks.lr.run import Run
 from benchmarks.lr.tasks import HELD_OUT, TASKS
-from benchmarks.lr.trainsplit import STORE
+from benchmarks.lr.trainsplit import STORE, val_ratio
 from hpx._forks import paired_gain
 
 __all__ = ["STATISTICS", "main", "signrank_z", "trimmed_z"]
@@ -123,9 +123,7 @@ def pairs(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> lis
                     continue
                 for seed in SEEDS:
                     a, b = (Run(task, "plain", lrs[i + k], seed) for k in (k0, k0 + dk))
-                    va, vb = _val(grids, a), _val(grids, b)
-                    ratio = vb / va if math.isfinite(va) and math.isfinite(vb) else (
-                        0.0 if math.isfinite(vb) else math.inf)
+                    ratio = val_ratio(_val(grids, a), _val(grids, b))
                     out.append({"task": task, "start": start, "dk": dk, "seed": seed, "ratio": ratio,
                                 "units": len(store[a.key]["units"]["probe"]) if store[a.key]["units"] else 0,
                                 **_gains(store, a, b)})

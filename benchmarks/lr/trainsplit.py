@@ -44,7 +44,7 @@ from benchmarks.lr.run import Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS
 from hpx._forks import paired_gain
 
-__all__ = ["main"]
+__all__ = ["main", "val_ratio"]
 
 STORE = RUNS / "units.json"
 
@@ -56,6 +56,19 @@ RULES = {
     "either, steps for train": lambda p, t, s: p >= 2 or (p >= 1 and s >= 3),
     "steps z>=3": lambda p, t, s: s >= 3,
 }
+
+
+def val_ratio(va: float, vb: float) -> float:
+    """The challenger's validation loss ``vb`` over the start's ``va``: 0 when only the start is lost,
+    ``inf`` when the challenger is (or the start's loss is 0 and the challenger's is not), 1 when
+    both are 0 (a run can fit a small validation split exactly)."""
+    if not math.isfinite(vb):
+        return math.inf
+    if not math.isfinite(va):
+        return 0.0
+    if va == 0:
+        return 1.0 if vb == 0 else math.inf
+    return vb / va
 
 
 def _gain(store: dict[str, Any], a: Run, b: Run, part: str) -> float:
@@ -89,9 +102,7 @@ def pairs(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> lis
                     continue
                 for seed in SEEDS:
                     a, b = (Run(task, "plain", lrs[i + k], seed) for k in (k0, k0 + dk))
-                    va, vb = _val(grids, a), _val(grids, b)
-                    ratio = vb / va if math.isfinite(va) and math.isfinite(vb) else (
-                        0.0 if math.isfinite(vb) else math.inf)
+                    ratio = val_ratio(_val(grids, a), _val(grids, b))
                     out.append({"task": task, "start": start, "dk": dk, "seed": seed, "ratio": ratio,
                                 "probe": _gain(store, a, b, "probe"), "train": _gain(store, a, b, "train"),
                                 "steps": _steps_gain(store, a, b)})
