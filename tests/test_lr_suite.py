@@ -961,3 +961,15 @@ def test_the_end_tests_replay_counts_passes_by_where_they_start_and_what_validat
     assert lines["trim20"] == "| trim20 | 0 | 0 of 2 | 1 | 0 / 1 |"
     assert lines["signrank"] == "| signrank | 1 | 1 of 2 | 0 | 1 / 1 |"
     assert "passes at z >= 1.5" in table(rows, 1.5)
+
+
+def test_the_replays_validation_ratio_handles_lost_runs_and_a_loss_of_zero():
+    """trainsplit.val_ratio: a run can fit a small validation split exactly (wine_dropout does), so a
+    start's loss of 0 must not divide by zero; a lost challenger is infinitely worse, a lost start
+    infinitely better to leave."""
+    from benchmarks.lr.trainsplit import val_ratio
+
+    assert val_ratio(0.5, 0.25) == 0.5
+    assert val_ratio(0.0, 0.0) == 1.0 and val_ratio(0.0, 0.1) == math.inf
+    assert val_ratio(math.inf, 0.3) == 0.0 and val_ratio(0.3, math.inf) == math.inf
+    assert val_ratio(math.nan, 0.3) == 0.0 and val_ratio(0.3, math.nan) == math.inf
