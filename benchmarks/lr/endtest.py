@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from benchmarks.lr.__main__ import GRIDS, SEEDS, _load, _val, best_of_grid
+from benchmarks.lr.__main__ import GRIDS, _load
 from benchmarks.lr.run import Run
 from benchmarks.lr.tasks import HELD_OUT, TASKS
-from benchmarks.lr.trainsplit import STORE, val_ratio
+from benchmarks.lr.trainsplit import STORE, replay_pairs
 from hpx._forks import paired_gain
 
 __all__ = ["STATISTICS", "main", "signrank_z", "trimmed_z"]
@@ -114,20 +114,11 @@ def _gains(store: dict[str, Any], a: Run, b: Run) -> dict[str, float]:
 
 def pairs(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> list[dict[str, Any]]:
     """Every (start, challenger) pair of ``benchmarks.lr.trainsplit.pairs``, with every statistic."""
-    out = []
-    for task in tasks:
-        i, lrs, _ = best_of_grid(task, grids)
-        for start, k0 in (("0.1x", -2), ("1x", 0), ("10x", 2)):
-            for dk in (-2, -1, 1, 2):
-                if not (0 <= i + k0 < len(lrs) and 0 <= i + k0 + dk < len(lrs)):
-                    continue
-                for seed in SEEDS:
-                    a, b = (Run(task, "plain", lrs[i + k], seed) for k in (k0, k0 + dk))
-                    ratio = val_ratio(_val(grids, a), _val(grids, b))
-                    out.append({"task": task, "start": start, "dk": dk, "seed": seed, "ratio": ratio,
-                                "units": len(store[a.key]["units"]["probe"]) if store[a.key]["units"] else 0,
-                                **_gains(store, a, b)})
-    return out
+    def gains(a: Run, b: Run) -> dict[str, Any]:
+        units = store[a.key]["units"]
+        return {"units": len(units["probe"]) if units else 0, **_gains(store, a, b)}
+
+    return replay_pairs(tasks, grids, gains)
 
 
 def table(rows: list[dict[str, Any]], z: float = 2.0) -> str:

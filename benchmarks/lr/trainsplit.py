@@ -35,6 +35,7 @@ import argparse
 import functools
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from benchmarks.lr.run import Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS
 from hpx._forks import paired_gain
 
-__all__ = ["main", "val_ratio"]
+__all__ = ["main", "replay_pairs", "val_ratio"]
 
 STORE = RUNS / "units.json"
 
@@ -91,8 +92,12 @@ def _steps_gain(store: dict[str, Any], a: Run, b: Run, after: float = 0.25) -> f
     return paired_gain(torch.tensor(lb[k:], dtype=torch.float64), torch.tensor(la[k:], dtype=torch.float64))
 
 
-def pairs(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every (start, challenger) pair the end's test could face, with both gains and the outcome."""
+def replay_pairs(tasks: list[str], grids: dict[str, Any],
+                 gains: Callable[[Run, Run], dict[str, float]]) -> list[dict[str, Any]]:
+    """Every (start, challenger) pair the end's test could face on the grid's finished runs: each
+    start (0.1x, 1x, 10x the grid's best) against each challenger a half or a whole decade from it,
+    both seeds, with the challenger's validation loss over the start's (``ratio``) and what
+    ``gains(start, challenger)`` reads."""
     out = []
     for task in tasks:
         i, lrs, _ = best_of_grid(task, grids)
@@ -102,11 +107,16 @@ def pairs(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> lis
                     continue
                 for seed in SEEDS:
                     a, b = (Run(task, "plain", lrs[i + k], seed) for k in (k0, k0 + dk))
-                    ratio = val_ratio(_val(grids, a), _val(grids, b))
-                    out.append({"task": task, "start": start, "dk": dk, "seed": seed, "ratio": ratio,
-                                "probe": _gain(store, a, b, "probe"), "train": _gain(store, a, b, "train"),
-                                "steps": _steps_gain(store, a, b)})
+                    out.append({"task": task, "start": start, "dk": dk, "seed": seed,
+                                "ratio": val_ratio(_val(grids, a), _val(grids, b)), **gains(a, b)})
     return out
+
+
+def pairs(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every (start, challenger) pair the end's test could face, with both gains and the outcome."""
+    return replay_pairs(tasks, grids, lambda a, b: {
+        "probe": _gain(store, a, b, "probe"), "train": _gain(store, a, b, "train"),
+        "steps": _steps_gain(store, a, b)})
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
