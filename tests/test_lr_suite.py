@@ -973,3 +973,37 @@ def test_the_replays_validation_ratio_handles_lost_runs_and_a_loss_of_zero():
     assert val_ratio(0.0, 0.0) == 1.0 and val_ratio(0.0, 0.1) == math.inf
     assert val_ratio(math.inf, 0.3) == 0.0 and val_ratio(0.3, math.inf) == math.inf
     assert val_ratio(math.nan, 0.3) == 0.0 and val_ratio(0.3, math.nan) == math.inf
+
+
+def test_the_cost_command_keeps_each_tasks_row_and_writes_the_docs_only_when_every_task_has_one(
+        tmp_path, monkeypatch, capsys):
+    """benchmarks.lr.cost with the default methods: the tasks measured replace their rows of the
+    store and the others are kept; the section is written (from the whole store, in the suite's
+    order) only once every task has a row."""
+    from benchmarks.lr import cost
+
+    store = tmp_path / "cost.json"
+    monkeypatch.setattr(cost, "COST", store)
+    monkeypatch.setattr(cost, "ROOT", tmp_path)
+    (tmp_path / "docs").mkdir()
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.write_text("# B\n\n<!-- lr-cost -->\nold\n<!-- /lr-cost -->\n")
+    def measure(names, repeats, methods):
+        cost._STEPS.clear()
+        return [(n, 1.0, [3.0, 2.0]) for n in names]
+
+    monkeypatch.setattr(cost, "measure", measure)
+    others = {t: {"plain": 2.0, "Forks": 5.0, "autolr": 3.0, "Forks steps": 3.0}
+              for t in TASKS if t not in ("iris_short", "wine_short")}
+    store.write_text(json.dumps({**others, "gone_task": {"plain": 1.0}}))
+    assert cost.main(["--tasks", "iris_short", "--repeats", "1"]) == 0
+    kept = json.loads(store.read_text())
+    assert kept["iris_short"] == {"plain": 1.0, "Forks": 3.0, "autolr": 2.0}
+    assert "gone_task" not in kept and kept["digits_mlp"] == others["digits_mlp"]
+    assert "no cost measured yet for wine_short" in capsys.readouterr().out
+    assert "old" in doc.read_text()
+    assert cost.main(["--tasks", "wine_short", "--repeats", "1"]) == 0
+    text = doc.read_text()
+    assert "old" not in text and "| iris_short |" in text and "| digits_mlp |" in text
+    assert text.index("| digits_mlp |") < text.index("| wine_short |") < text.index("| iris_short |")
+    assert "| wine_short |  | 100 | 1.00 | 3.00 | 3.00 | 2.00 | 2.00 |" in text

@@ -4,8 +4,9 @@ plain training's, side by side in one process.
     python -m benchmarks.lr.cost [--tasks ...] [--repeats 2]   # prints the table; writes docs
     python -m benchmarks.lr.cost --method halving-end ...    # suite methods or prototypes instead
 
-Run on the whole suite with the default methods, it also writes the section of docs/benchmarks.md
-and keeps the seconds in ``runs/lr/cost.json``, where ``python -m benchmarks.lr.bar`` reads them.
+With the default methods it keeps each task's seconds in ``runs/lr/cost.json`` (a task measured
+again replaces its row), where ``python -m benchmarks.lr.bar`` reads them, and once that store
+holds every task of the suite it writes the section of docs/benchmarks.md from it.
 
 For every task, plain training and each method (exactly as the suite runs them, at the grid's
 best lr, seed 0) train on the same batches, taking turns, ``repeats`` times each, on one thread;
@@ -65,6 +66,7 @@ def measure(names: list[str], repeats: int, methods: Sequence[str] = ("autolr",)
     """``(task, plain seconds, each method's seconds)``: the fastest of ``repeats`` runs of each,
     plain training and the methods taking turns."""
     torch.set_num_threads(1)
+    _STEPS.clear()  # only this measurement's steps
     grids = _load(GRIDS)
     out = []
     for name in names:
@@ -132,13 +134,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if a.flush_denormal:
             torch.set_flush_denormal(False)  # torch's default
-    md = markdown(rows, a.repeats, a.method)
-    print(md)
-    # the section is hpx's two searches', measured as the user's default numerics run them
-    if a.tasks == list(TASKS) and a.method == ["Forks", "autolr"] and not a.flush_denormal:
-        _save(COST, {name: {"plain": p, **{m: h for m, h in zip(a.method, hs)},
-                            **{f"{m} steps": _STEPS[(name, m)] for m in a.method if (name, m) in _STEPS}}
-                     for name, p, hs in rows})
+    print(markdown(rows, a.repeats, a.method))
+    # the section is hpx's two searches', measured as the user's default numerics run them; tasks
+    # measured now replace their stored rows (each row is side by side in itself), and the section
+    # is written once the store holds every task
+    if a.method == ["Forks", "autolr"] and not a.flush_denormal:
+        store = {k: v for k, v in _load(COST).items() if k in TASKS}
+        store.update({name: {"plain": p, **{m: h for m, h in zip(a.method, hs)},
+                             **{f"{m} steps": _STEPS[(name, m)] for m in a.method if (name, m) in _STEPS}}
+                      for name, p, hs in rows})
+        _save(COST, store)
+        missing = [t for t in TASKS if t not in store]
+        if missing:
+            print(f"docs/benchmarks.md not written: no cost measured yet for {', '.join(missing)}")
+            return 0
+        for name in TASKS:
+            _STEPS.update({(name, m): store[name][f"{m} steps"] for m in a.method
+                           if f"{m} steps" in store[name]})
+        md = markdown([(name, store[name]["plain"], [store[name][m] for m in a.method]) for name in TASKS],
+                      a.repeats, a.method)
         doc = ROOT / "docs" / "benchmarks.md"
         text = doc.read_text()
         start, end = "<!-- lr-cost -->", "<!-- /lr-cost -->"
