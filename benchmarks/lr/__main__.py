@@ -361,9 +361,11 @@ end's test was diagnosed; five fresh ones replaced them (commit 89c03bc: blobs_d
 digits_cnn_bn_adam, char_transformer_adam, digits_gru_sgd, sparse_dropout). Tasks read that way
 are design tasks since. A fifth set was added to widen the held-out evidence, not to replace any
 (commit 2667eea: digits_cnn_adamw, cancer_sgd, char_lstm_sgd, bert_tiny_cosine,
-clusters_adam_step); `Forks` and `autolr` ran on it once, unchanged.
+clusters_adam_step), and a sixth the same way (commit 9be234b: digits_mlp_adamw,
+digits_cnn_bn_cosine, char_transformer_step, digits_lstm_adamw, friedman_dropout); `Forks` and
+`autolr` ran on each once, unchanged.
 
-Each task's grid: 9 peak learning rates half a decade apart, 2 seeds each, plain training (the
+Each task's grid: 9 (or more) peak learning rates half a decade apart, 2 seeds each, plain training (the
 user's loop: backward, step, scheduler step); the best is the lowest mean validation loss, and
 every best has two grid points on each side, so 0.1x and 10x the best are on the grid. Every run
 seeds the global RNG, which dropout draws from, from its own seed, so it repeats exactly whatever
