@@ -1007,3 +1007,44 @@ def test_the_cost_command_keeps_each_tasks_row_and_writes_the_docs_only_when_eve
     assert "old" not in text and "| iris_short |" in text and "| digits_mlp |" in text
     assert text.index("| digits_mlp |") < text.index("| wine_short |") < text.index("| iris_short |")
     assert "| wine_short |  | 100 | 1.00 | 3.00 | 3.00 | 2.00 | 2.00 |" in text
+
+
+def _sweep_grid():
+    """A synthetic task's grid for benchmarks.lr.sweep: 9 lrs half a decade apart, the validation
+    loss lowest at index 4 on both seeds and the probe agreeing, each run's probe losses per example
+    50 values spread around its mean (the run at index 4 spread half as wide, so that its
+    difference with any other run has a spread the test can read)."""
+    grids, store = {}, {}
+    noise = torch.linspace(-0.5, 0.5, 50, dtype=torch.float64)
+    for k in range(9):
+        lr = 1e-3 * 10 ** (k / 2)
+        for s in SEEDS:
+            key = Run("syn", "plain", lr, s).key
+            val = 1.0 + 0.1 * abs(k - 4)
+            grids[key] = {"lr": lr, "val": val, "probe": val}
+            store[key] = {"units": {"probe": (val + noise * (0.5 if k == 4 else 1.0)).tolist()}}
+    return grids, store
+
+
+def test_the_sweep_replay_keeps_the_start_unless_the_best_candidate_wins_by_z():
+    """benchmarks.lr.sweep.kept: the lowest-scoring candidate replaces the start when it scores
+    lower (z = 0) and, with z > 0, only when it wins by z standard errors of the per-example
+    difference; read counts the bar's rows on what each start keeps."""
+    from benchmarks.lr import sweep
+    from hpx._forks import paired_gain
+
+    grids, store = _sweep_grid()
+    decade = sweep.SWEEPS["3 runs, a decade apart"]
+    assert sweep.kept("syn", 6, 0, decade, 0.0, grids, store) == 4  # the probe agrees with validation
+    assert sweep.kept("syn", 4, 0, decade, 0.0, grids, store) == 4  # the best start stays
+    # the per-example difference of runs 4 and 6: a mean gap of 0.2 over a spread the test reads
+    units = [torch.tensor(store[Run("syn", "plain", 1e-3 * 10 ** (k / 2), 0).key]["units"]["probe"])
+             for k in (4, 6)]
+    gain = paired_gain(*units)
+    assert 0 < gain < math.inf
+    assert sweep.kept("syn", 6, 0, decade, gain * 0.99, grids, store) == 4
+    assert sweep.kept("syn", 6, 0, decade, gain * 1.01, grids, store) == 6
+    r = sweep.read(["syn"], decade, 0.0, grids, store)
+    assert (r["harm"], r["largest"], r["recovered"], r["off"], r["near"], r["cells"]) == (1, 1.0, 2, 2, 3, 3)
+    kept_starts = sweep.read(["syn"], decade, 1e9, grids, store)  # nothing passes: every start stays
+    assert (kept_starts["recovered"], kept_starts["near"]) == (0, 1)
