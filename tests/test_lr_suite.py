@@ -1048,3 +1048,16 @@ def test_the_sweep_replay_keeps_the_start_unless_the_best_candidate_wins_by_z():
     assert (r["harm"], r["largest"], r["recovered"], r["off"], r["near"], r["cells"]) == (1, 1.0, 2, 2, 3, 3)
     kept_starts = sweep.read(["syn"], decade, 1e9, grids, store)  # nothing passes: every start stays
     assert (kept_starts["recovered"], kept_starts["near"]) == (0, 1)
+
+
+def test_the_replays_name_the_command_that_stores_their_runs_when_they_are_missing(tmp_path, monkeypatch):
+    """benchmarks.lr.endtest and benchmarks.lr.sweep read the runs benchmarks.lr.trainsplit stores;
+    without them they exit naming it and the tasks missing, instead of failing on a missing key."""
+    from benchmarks.lr import endtest, sweep, trainsplit
+
+    empty = tmp_path / "units.json"
+    empty.write_text("{}")
+    monkeypatch.setattr(trainsplit, "STORE", empty)
+    for module in (endtest, sweep):
+        with pytest.raises(SystemExit, match=r"no runs of digits_mlp, .*python -m benchmarks.lr.trainsplit"):
+            module.main([])

@@ -36,10 +36,8 @@ from typing import Any
 
 import torch
 
-from benchmarks.lr.__main__ import GRIDS, _load
 from benchmarks.lr.run import Run
-from benchmarks.lr.tasks import HELD_OUT, TASKS
-from benchmarks.lr.trainsplit import STORE, replay_pairs
+from benchmarks.lr.trainsplit import replay_pairs, stored_design_runs
 from hpx._forks import paired_gain
 
 __all__ = ["STATISTICS", "main", "signrank_z", "trimmed_z"]
@@ -144,12 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--z", type=float, nargs="+", default=[2.0], help="the thresholds to read")
     p.add_argument("--show", action="store_true", help="print every pair the statistics disagree on")
     a = p.parse_args(argv)
-    tasks = [t for t in TASKS if t not in HELD_OUT]
-    grids, store = _load(GRIDS), _load(STORE)
-    missing = [t for t in tasks if not any(k.startswith(f"{t}|") for k in store)]
-    if missing:
-        raise SystemExit(f"{STORE} holds no runs of {', '.join(missing)}: run "
-                         "`python -m benchmarks.lr.trainsplit` first (it stores them)")
+    tasks, grids, store = stored_design_runs()
     rows = pairs(tasks, grids, store)
     for z in a.z:
         print(table(rows, z))

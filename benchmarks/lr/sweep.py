@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
-from benchmarks.lr.__main__ import GRIDS, SEEDS, _load, _val, best_of_grid
+from benchmarks.lr.__main__ import SEEDS, _val, best_of_grid
 from benchmarks.lr.run import Run
-from benchmarks.lr.tasks import HELD_OUT, TASKS
-from benchmarks.lr.trainsplit import STORE
+from benchmarks.lr.trainsplit import stored_design_runs
 from hpx._forks import paired_gain
 
 __all__ = ["SWEEPS", "ZS", "kept", "main", "read"]
@@ -95,12 +94,7 @@ def read(tasks: list[str], offsets: tuple[int, ...], z: float, grids: dict[str, 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.sweep", description=__doc__.split("\n")[0])
     p.parse_args(argv)
-    tasks = [t for t in TASKS if t not in HELD_OUT]
-    grids, store = _load(GRIDS), _load(STORE)
-    missing = [t for t in tasks if not any(k.startswith(f"{t}|") for k in store)]
-    if missing:
-        raise SystemExit(f"{STORE} holds no runs of {', '.join(missing)}: run "
-                         "`python -m benchmarks.lr.trainsplit` first (it stores them)")
+    tasks, grids, store = stored_design_runs()
     print("| sweep | z | no harm (<= 1.02) | the largest | recovered (<= 1.05x the oracle) | "
           "lr within 3x |\n| --- | ---: | ---: | ---: | ---: | ---: |")
     for name, offsets in SWEEPS.items():

@@ -45,7 +45,7 @@ from benchmarks.lr.run import Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS
 from hpx._forks import paired_gain
 
-__all__ = ["main", "replay_pairs", "val_ratio"]
+__all__ = ["main", "replay_pairs", "stored_design_runs", "val_ratio"]
 
 STORE = RUNS / "units.json"
 
@@ -57,6 +57,19 @@ RULES = {
     "either, steps for train": lambda p, t, s: p >= 2 or (p >= 1 and s >= 3),
     "steps z>=3": lambda p, t, s: s >= 3,
 }
+
+
+def stored_design_runs() -> tuple[list[str], dict[str, Any], dict[str, Any]]:
+    """The design tasks, the grid and the runs this module stores (their losses per unit), for the
+    replays that read them (``benchmarks.lr.endtest``, ``benchmarks.lr.sweep``); exits naming this
+    command when the store lacks a design task."""
+    tasks = [t for t in TASKS if t not in HELD_OUT]
+    grids, store = _load(GRIDS), _load(STORE)
+    missing = [t for t in tasks if not any(k.startswith(f"{t}|") for k in store)]
+    if missing:
+        raise SystemExit(f"{STORE} holds no runs of {', '.join(missing)}: run "
+                         "`python -m benchmarks.lr.trainsplit` first (it stores them)")
+    return tasks, grids, store
 
 
 def val_ratio(va: float, vb: float) -> float:
