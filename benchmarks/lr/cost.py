@@ -84,7 +84,11 @@ def _shown(method: str) -> str:
 
 
 def markdown(rows: list[tuple[str, float, list[float]]], repeats: int,
-             methods: Sequence[str] = ("autolr",)) -> str:
+             methods: Sequence[str] = ("autolr",),
+             steps: dict[tuple[str, str], float] | None = None) -> str:
+    """The section's markdown; ``steps``: each (task, method)'s optimizer steps over plain
+    training's (default: those of the last measurement)."""
+    steps = _STEPS if steps is None else steps
     machine = (f"{platform.machine()}, {os.cpu_count()} logical cores; Python {platform.python_version()}, "
                f"torch {torch.__version__}")
     names = ", ".join(f"`{_shown(m)}`" for m in methods)
@@ -107,10 +111,10 @@ def markdown(rows: list[tuple[str, float, list[float]]], repeats: int,
         ratios = sorted(hs[j] / p for _, p, hs in rows)
         lines.append(f"`{_shown(m)}`: median ratio {ratios[len(ratios) // 2]:.2f}, range "
                      f"{ratios[0]:.2f}-{ratios[-1]:.2f}.")
-        steps = sorted(_STEPS[(name, m)] for name, _, _ in rows if (name, m) in _STEPS)
-        if len(steps) == len(rows):  # its optimizer steps, and the wall time beyond them
-            beyond = sorted(hs[j] / p / _STEPS[(name, m)] for name, p, hs in rows)
-            lines.append(f"Its forks and copies take {steps[0]:.2f}-{steps[-1]:.2f}x plain training's "
+        taken = sorted(steps[(name, m)] for name, _, _ in rows if (name, m) in steps)
+        if len(taken) == len(rows):  # its optimizer steps, and the wall time beyond them
+            beyond = sorted(hs[j] / p / steps[(name, m)] for name, p, hs in rows)
+            lines.append(f"Its forks and copies take {taken[0]:.2f}-{taken[-1]:.2f}x plain training's "
                          f"optimizer steps; its wall time over that multiple of plain's is "
                          f"{beyond[0]:.2f}-{beyond[-1]:.2f} (median {beyond[len(beyond) // 2]:.2f}): the "
                          "probe passes, copies and the end's test on top of the steps.")
@@ -148,11 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"docs/benchmarks.md not written: no cost measured yet for {', '.join(missing)}")
             return 0
-        for name in TASKS:
-            _STEPS.update({(name, m): store[name][f"{m} steps"] for m in a.method
-                           if f"{m} steps" in store[name]})
+        stored_steps = {(name, m): store[name][f"{m} steps"] for name in TASKS for m in a.method
+                        if f"{m} steps" in store[name]}
         md = markdown([(name, store[name]["plain"], [store[name][m] for m in a.method]) for name in TASKS],
-                      a.repeats, a.method)
+                      a.repeats, a.method, stored_steps)
         doc = ROOT / "docs" / "benchmarks.md"
         text = doc.read_text()
         start, end = "<!-- lr-cost -->", "<!-- /lr-cost -->"
