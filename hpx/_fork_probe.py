@@ -52,7 +52,8 @@ def probes_alike(collective: Collective, initial: float) -> None:
 
 
 def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collective: Collective, units: bool,
-                 averaged: list[_Fork], first: bool = False) -> list[list[torch.Tensor]]:
+                 averaged: list[_Fork], first: bool = False, skip: set[int] | None = None,
+                 ) -> list[list[torch.Tensor]]:
     """Each fork's probe loss per batch (a scalar) or per example, in eval mode, without touching
     the global random stream; per example for every batch with ``units`` (a loss that gives one
     number per batch is then evaluated one example at a time). The probe is read once and every
@@ -66,7 +67,7 @@ def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collectiv
     keep = _rng_get(dev)
     for f in forks:
         if collective.world_size > 1 and any(f is a for a in averaged):
-            _average_buffers(f.model, collective)
+            _average_buffers(f.model, collective, skip or set())
     kept = [_ModelState(f.model) for f in forks]
     for f in forks:
         f.model.eval()
@@ -211,9 +212,10 @@ def _rows(batch: Any) -> int:
 
 
 @torch.no_grad()
-def _average_buffers(model: torch.nn.Module, collective: Collective) -> None:
-    """A model's floating buffers (running statistics) <- their mean over the ranks."""
-    bufs = [b for b in model.buffers() if b.is_floating_point() and b.numel()]
+def _average_buffers(model: torch.nn.Module, collective: Collective, skip: set[int]) -> None:
+    """A model's floating buffers (running statistics) <- their mean over the ranks; those in
+    ``skip`` (held once by every fork, never written by a step: alike on every rank) are left."""
+    bufs = [b for b in model.buffers() if b.is_floating_point() and b.numel() and id(b) not in skip]
     if bufs:
         collective.all_reduce_sum_(bufs)
         for b in bufs:

@@ -106,13 +106,16 @@ class _Fork:
             self.replica._values[k.name] = self.values[k.name]
 
     def copied(self, index: int, ramp: tuple[int, int] | None = None,
-               factor: float | None = None, values: dict[str, float] | None = None) -> _Fork:
+               factor: float | None = None, values: dict[str, float] | None = None,
+               shared: dict[int, Any] | None = None) -> _Fork:
         """A deep copy of this fork's model, optimizer and scheduler (one copy: the optimizer holds
         the copied model's parameters and the scheduler the copied optimizer), at ``factor`` and
-        ``values`` (default: this fork's; write them with :meth:`apply`)."""
+        ``values`` (default: this fork's; write them with :meth:`apply`); the tensors in ``shared``
+        (a memo, :meth:`hpx._fork_share._Shared.memo`) are held by the copy as they are, not copied."""
+        memo = graph_tensors_detached(self.model)
+        memo.update(shared or {})
         try:
-            model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler),
-                                              graph_tensors_detached(self.model))
+            model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler), memo)
         except (TypeError, copy.Error, RuntimeError) as e:
             raise ConfigError([f"Forks trains each fork on a deep copy of your model, optimizer and "
                                f"scheduler, and copy.deepcopy failed ({type(e).__name__}: {e}): keep what "

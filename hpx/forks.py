@@ -9,21 +9,26 @@ rewound for it), so all forks see the same batches and the same draws: those pla
 fork's multiple would see.
 
 At 10% of the run the forks are cut to 3, at 25% to 2 (your run and the best challenger), each
-cut scored on held-out batches (``probe``) at a copy of every fork annealed over the next 5% of
-the run (its lr multiple taken linearly to 0; the copies train alongside the forks on the same
+cut scored on held-out batches (``probe``) at a copy of every challenger annealed over the next 5%
+of the run (its lr multiple taken linearly to 0; the copies train alongside the forks on the same
 batches and are dropped once scored, so a cut is decided 5% of the run after it starts). Your run
-survives every cut. At the end of the run the challenger replaces your run only if it scores
-better on the probe by ``confidence`` (2) standard errors of the per-example difference of their
-losses, or if your run ended no better on the probe than the initial weights did (a lost run)
-while the challenger did. The winner's model, optimizer and scheduler state are then loaded into
-your objects: after the last step ``forks.model`` is your model holding the winner.
+survives every cut, so it needs no copy: it is scored as it is, for the record. At the end of
+the run the challenger replaces your run only if it scores better on the probe by ``confidence``
+(2) standard errors of the per-example difference of their losses, or if your run ended no better
+on the probe than the initial weights did (a lost run) while the challenger did. The winner's
+model, optimizer and scheduler state are then loaded into your objects: after the last step
+``forks.model`` is your model holding the winner.
 
 Other knobs (``knobs=[hpx.Dropout(spread=0.2), ...]``) add two forks each, at your learning rate,
 with the knob moved by its spread to each side of your value; they are cut and judged as any fork.
 
 It costs optimizer steps (5 forks to 10% of the run, 3 to 25%, 2 to the end, and the annealed
-copies: about 3x plain training's); the forks share nothing between steps but the batch. Why this
-design: ``docs/method.md`` ("``hpx.Forks``: the confident end in hpx").
+copies: about 3x plain training's). Memory: what a fork trains is its own (trainable parameters,
+their gradients, its optimizer state); what no step writes is held once for all forks and copies
+(frozen parameters, and the buffers the first step left unwritten: ``share=True``), so a frozen
+base under a small head costs about one model. The peak is at the first cut's window: five forks
+and four annealed copies. Why this design: ``docs/method.md`` ("``hpx.Forks``: the confident end
+in hpx"); the peak as measured: ``docs/benchmarks.md`` (``python -m benchmarks.forks_memory``).
 
 Under torch.distributed every rank trains every fork on its part of the batch, each fork's
 gradients averaged over the ranks (one all-reduce per dtype per step): data-parallel training.
@@ -46,6 +51,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hpx import _checks
 from hpx._fork_probe import _layout, first_checked, mean_score, probe_losses, probes_alike, ranks_start_alike
+from hpx._fork_share import _Shared
 from hpx._forks import (
     _APART,
     _FORMAT,
@@ -129,11 +135,24 @@ class Forks:
             ``hpx.backends.TorchDistributed()`` each fork is data-parallel over the ranks.
         on_sync: a function (or a list of them) called with the :class:`~hpx.SyncRecord` of each
             decision, on every rank (e.g. ``hpx.TensorBoard(...)``).
+        share: hold once for every fork what no step writes: frozen parameters
+            (``requires_grad=False``) from the start, and the buffers the first step left unwritten
+            (a BatchNorm's running statistics never are). A frozen parameter unfrozen later must be
+            unfrozen through :meth:`each`; a shared buffer written at a later step stops the run
+            with its name. ``False``: every fork copies everything.
 
     Attributes:
         history: a :class:`~hpx.SyncRecord` per decision (``phase`` ``"cut"`` or ``"end"``;
             ``values["lr"]`` the multiples scored, ``scores`` their probe losses, ``bases["lr"]``
             the multiple the run trains at after it).
+        factor: the lr multiple your run trains at: 1 until the end, then the winner's (``m``).
+        values: the other knobs' values your run trains at (``{name: value}``), the winner's after
+            the end.
+        bases: ``{"lr": factor, **values}``.
+        factors: the lr multiples of the forks being trained, your run's first.
+        multiples, cuts, cool, confidence, total_steps, knobs: the settings, as given.
+        decided: whether the end's decision is made (the winner is in your objects).
+        model: your model (your run; the winner once decided).
         step_count: optimizer steps taken (calls of :meth:`optimizer_step`).
         fork_steps: optimizer steps taken by all forks and annealed copies together: the
             search's cost in steps (``fork_steps / step_count``: the multiple of plain training's).
@@ -163,6 +182,7 @@ class Forks:
         knobs: Sequence[Knob] = (),
         backend: Collective | None = None,
         on_sync: Callable[[SyncRecord], Any] | Sequence[Callable[[SyncRecord], Any]] = (),
+        share: bool = True,
         **unknown: Any,
     ) -> None:
         self._t0 = time.perf_counter()
@@ -177,6 +197,8 @@ class Forks:
         problems += knobs_problems(knobs, loss_fn) + _checks.unknown_problems(unknown, Forks.__init__)
         problems += [f"on_sync must be a function record -> None, or a list of them (got {on_sync!r})"
                      for _ in callbacks[:1] if not all(callable(c) for c in callbacks)]
+        problems += [f"share must be True or False (got {_checks.shown(share)})" for _ in [0]
+                     if not isinstance(share, bool)]
         ConfigError.check(problems)
         assert isinstance(optimizer, torch.optim.Optimizer)
         self.collective: Collective = backend if backend is not None else default_backend()
@@ -199,13 +221,14 @@ class Forks:
         if schedule is not None and not isinstance(schedule, LRScheduler):
             schedule = LambdaLR(optimizer, schedule)
         ranks_start_alike(self, model)
+        self._shared = _Shared(model, share)  # what every fork holds once: frozen, then unwritten buffers
         start = _Fork(1.0, Replica(0, model, optimizer), schedule, None)
         start.values = dict(bases)
         start.apply(self.knobs)
         # every other fork starts from a copy of your run
         self._forks: list[_Fork] = [start]
         for i, (m, values) in enumerate(settings, 1):
-            self._forks.append(start.copied(i, factor=m, values=values))
+            self._forks.append(start.copied(i, factor=m, values=values, shared=self._shared.memo()))
             self._forks[-1].apply(self.knobs)
         self._bases = bases
         self._clones: list[_Fork] = []  # a cut's annealed copies, one per fork, while they train
@@ -301,6 +324,8 @@ class Forks:
         for f in trained if scaler is not None else ():
             f.scaler.update()
         ConfigError.check(_stepped_apart(self._forks))
+        if self.step_count == 0:  # the buffers the first step left unwritten are held once from now on
+            self._shared.share_buffers([f.model for f in self._forks])
         self.fork_steps += len(trained) + self._outside  # a framework's step of your run counts too
         self._advance()
         return norms
@@ -308,6 +333,8 @@ class Forks:
     def _open(self) -> list[_Fork]:
         """The forks a backward trains, their gradients cleared at an optimizer step's first
         micro-batch (and before the first step, the initial weights' probe loss)."""
+        if self._fresh:  # what is held once is still shared safely (host reads only)
+            ConfigError.check(self._shared.problems())
         if self._initial is None and not self.decided:
             self._initial = self._scores([self._forks[0]], first=True)[0]
             probes_alike(self.collective, self._initial)
@@ -315,6 +342,8 @@ class Forks:
                 "the probe's loss at your model's initial weights is nan: check the probe batches and the "
                 "probe's loss_fn for NaN (nothing was trained)"])
         trained = self._trained()
+        if self._fresh and self.step_count == 0:  # which buffers does a step write? (share_buffers)
+            self._shared.watch([f.model for f in self._forks])
         if self._fresh:
             for f in trained:
                 f.optimizer.zero_grad(set_to_none=True)
@@ -374,6 +403,8 @@ class Forks:
                         "training goes on at the winner's multiple %.4g", s, self.total_steps, self.factor)
         if self._decide_at is not None and self._decide_at[0] <= s:  # a cut decided on its copies
             scored = [_LOST] * len(self._forks)
+            if not self._forks[0].lost:  # your run is kept at every cut: scored as it is, not annealed
+                scored[0] = self._forks[0]
             for i, c in zip(self._parents, self._clones):
                 scored[i] = c
             keep = self._decide_at[1]
@@ -382,10 +413,14 @@ class Forks:
         keep = self._plan.get(s)  # after the decision due now: on a short run the next cut starts here
         if keep is not None and keep < len(self._forks):
             k = min(max(1, round(self.cool * self.total_steps)), self.total_steps - s) if self.cool > 0 else 0
-            if k > 0:  # anneal a copy of every fork over the next k steps, then decide on them
+            if k > 0:  # anneal a copy of every challenger over the next k steps, then decide on them
                 n = 1 + max(f.replica.index for f in self._forks)  # indices no fork trained now has
-                self._clones = [f.copied(n + i, ramp=(s, k)) for i, f in enumerate(self._forks) if not f.lost]
-                self._parents = [i for i, f in enumerate(self._forks) if not f.lost]
+                # your run is kept whatever its score, so it needs no copy: the cut keeps the best
+                # challengers, and the peak holds one copy fewer
+                self._parents = [i for i, f in enumerate(self._forks) if i > 0 and not f.lost]
+                memo = self._shared.memo()
+                self._clones = [self._forks[i].copied(n + j, ramp=(s, k), shared=memo)
+                                for j, i in enumerate(self._parents)]
                 self._decide_at = (s + k, keep)
             else:
                 self._cut(keep, self._forks)
@@ -443,6 +478,7 @@ class Forks:
         if i != 0:
             start.take(self._forks[i], self.knobs)
         self._forks = [start]
+        self._shared.params, self._shared.buffers = [], []  # one run left: nothing is shared any more
         self.factor, self.values, self.decided = start.factor, dict(start.values), True
 
     def _agreed(self, decision: Any) -> Any:
@@ -487,7 +523,8 @@ class Forks:
         trains it (its own data-parallel wrapper keeps them)."""
         assert self._probe_fn is not None
         averaged = [f for f in forks if not (self._outside and f is self._forks[0])]
-        return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged, first)
+        return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged, first,
+                            skip={id(t) for _, t, _ in self._shared.buffers})
 
     def _scores(self, forks: list[_Fork], first: bool = False) -> list[float]:
         """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;
@@ -518,9 +555,18 @@ class Forks:
     def each(self, fn: Callable[[Replica], Any]) -> None:
         """Call ``fn(replica)`` on every fork and annealed copy (your run's first) to change them all
         alike mid-run: unfreeze a layer, add a parameter group, set an lr by hand. A change made to
-        your own objects alone reaches your run only, and is refused at the next step."""
-        for f in [*self._forks, *self._clones]:
+        your own objects alone reaches your run only, and is refused at the next step. A frozen
+        parameter ``fn`` unfreezes on your run is first given to every other fork as a copy of its
+        own (frozen, it was held once for all), so each fork trains its own."""
+        forks = [*self._forks, *self._clones]
+        fn(forks[0].replica)
+        if self._shared.params:
+            self._shared.unshare_unfrozen([f.model for f in forks], [f.optimizer for f in forks])
+            for f in forks:
+                f._watched = None  # its parameters are listed again
+        for f in forks[1:]:
             fn(f.replica)
+        self._shared.refresh()
 
     @property
     def bases(self) -> dict[str, float]:
@@ -550,6 +596,7 @@ class Forks:
                 "values": dict(self.values),
                 "knobs": [k.name for k in self.knobs], "decided": self.decided,
                 "initial": self._initial, "decide_at": self._decide_at,
+                "shared_buffers": [n for n, _, _ in self._shared.buffers],
                 "forks": [f.state() for f in self._forks],
                 "clones": [c.state(p) for c, p in zip(self._clones, self._parents)],
                 "history": [dataclasses.asdict(r) for r in self.history]}
@@ -560,12 +607,20 @@ class Forks:
         ConfigError.check(self._load_problems(state))
         start = self._forks[0]
         start.load(state["forks"][0], self.knobs)
-        forks = [start] + [start.copied(i) for i in range(1, len(state["forks"]))]
+        if state.get("decided"):
+            self._shared.params = []
+        memo: dict[int, Any] = {id(p): p for _, p in self._shared.params}  # frozen: held once
+        forks = [start] + [start.copied(i, shared=memo) for i in range(1, len(state["forks"]))]
         for f, s in zip(forks[1:], state["forks"][1:]):
             f.load(s, self.knobs)
-        clones = [start.copied(len(forks) + i) for i in range(len(state["clones"]))]
+        clones = [start.copied(len(forks) + i, shared=memo) for i in range(len(state["clones"]))]
         for c, s in zip(clones, state["clones"]):
             c.load(s, self.knobs)
+        mine = {n: b for n, b in start.model.named_buffers()}
+        self._shared.buffers = [(n, mine[n], 0) for n in state.get("shared_buffers", []) if n in mine]
+        for f in [*forks[1:], *clones]:  # the buffers the saved run held once are held once again
+            self._shared.adopt(f.model)
+        self._shared.refresh()
         self._forks, self._clones = forks, clones
         self._parents = [int(s["parent"]) for s in state["clones"]]
         self.step_count, self.factor = int(state["step"]), float(state["factor"])

@@ -307,8 +307,9 @@ def test_cuts_keep_the_best_scoring_forks_and_your_run():
         alive.append(len(forks.factors))
     assert alive[:5] == [5] * 5 and alive[5:11] == [3] * 6 and alive[11:39] == [2] * 28 and alive[39] == 1
     assert counts == [(6, "cut"), (12, "cut"), (40, "end")]
-    # 5 forks to step 4, 5 more copies at steps 5-6, 3 forks to 10, 3 copies at 11-12, 2 to the end
-    assert forks.fork_steps == 5 * 4 + 10 * 2 + 3 * 4 + 6 * 2 + 2 * 28 == 3 * 40
+    # 5 forks to step 4, a copy of each of the 4 challengers at steps 5-6 (your run is kept: no
+    # copy), 3 forks to 10, 2 copies at 11-12, 2 to the end
+    assert forks.fork_steps == 5 * 4 + 9 * 2 + 3 * 4 + 5 * 2 + 2 * 28 == 3 * 40 - 4
     for rec, keep, after in zip(forks.history[:2], (3, 2), (forks.history[1], forks.history[2])):
         factors, scores = rec.values["lr"], rec.scores
         ranked = sorted(range(len(scores)), key=lambda i: (scores[i], abs(math.log(factors[i]))))
@@ -317,8 +318,9 @@ def test_cuts_keep_the_best_scoring_forks_and_your_run():
 
 
 def test_a_cut_scores_a_copy_annealed_over_the_next_steps():
-    """The score of your run at a cut is the probe loss of a copy of it trained on the next k
-    batches with its lr multiple falling as (k - j) / (k + 1), j = 0..k-1."""
+    """The score of a challenger at a cut is the probe loss of a copy of it trained on the next k
+    batches with its lr multiple falling as (k - j) / (k + 1), j = 0..k-1; your run, kept at every
+    cut, has no copy and is scored as it is when the cut is decided."""
     model = _net(p=0.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, multiples=(0.1, 1.0, 10.0),
@@ -327,14 +329,17 @@ def test_a_cut_scores_a_copy_annealed_over_the_next_steps():
         forks.step(_loss, b)
     assert forks.history[0].step == 13  # cut at 10, k = 3 steps of annealing
     ref = _net(p=0.0)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.005, momentum=0.9)
     _plain(ref, ref_opt, None, BATCHES[:10])
     for j, b in enumerate(BATCHES[10:13]):
         for g in ref_opt.param_groups:
-            g["lr"] = 0.05 * (3 - j) / 4
+            g["lr"] = 0.005 * (3 - j) / 4
         _plain(ref, ref_opt, None, [b])
-    assert forks.history[0].values["lr"][0] == 1.0
-    assert forks.history[0].scores[0] == pytest.approx(_probe_loss(ref), rel=1e-6)
+    mine = _net(p=0.0)
+    _plain(mine, torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9), None, BATCHES[:13])
+    assert forks.history[0].values["lr"][:2] == [1.0, 0.1]
+    assert forks.history[0].scores[1] == pytest.approx(_probe_loss(ref), rel=1e-6)
+    assert forks.history[0].scores[0] == pytest.approx(_probe_loss(mine), rel=1e-6)
 
 
 def test_resume_mid_cut_is_bit_for_bit(tmp_path):
@@ -350,7 +355,7 @@ def test_resume_mid_cut_is_bit_for_bit(tmp_path):
     model, forks = build()
     for b in BATCHES[:4]:
         forks.step(_loss, b)
-    assert len(forks._clones) == 7  # the first cut's copies are in flight (5 lr forks, 2 dropout)
+    assert len(forks._clones) == 6  # the first cut's copies are in flight (4 lr challengers, 2 dropout)
     buf = io.BytesIO()
     torch.save({"forks": forks.state_dict(), "rng": torch.random.get_rng_state()}, buf)
     for b in BATCHES[4:STEPS]:
@@ -1118,7 +1123,7 @@ def test_every_run_trained_at_a_step_has_its_own_index():
     for b in BATCHES[:STEPS]:
         seen.append([])
         forks.step(lambda rep, b: seen[-1].append(rep.index) or _loss(rep, b), b)
-    assert all(len(set(s)) == len(s) for s in seen) and max(len(s) for s in seen) == 10
+    assert all(len(set(s)) == len(s) for s in seen) and max(len(s) for s in seen) == 9  # 5 forks, 4 copies
 
 
 def test_a_loss_fn_that_changes_the_batch_is_refused_at_the_first_step():
