@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -47,8 +48,22 @@ def _step(task: Task, state: State, batch: Any, factor: float) -> bool:
     opt.step()
     for g, lr in zip(opt.param_groups, lrs):  # the scheduler sees its own values
         g["lr"] = lr
-    sched.step()
+    if _unstepped(sched):  # a deep copy's optimizer.step is not wrapped by torch's order check,
+        with warnings.catch_warnings():  # which would warn at its first step (as in hpx.Forks)
+            warnings.filterwarnings("ignore", message=r"Seems like `optimizer\.step\(\)`")
+            sched.step()
+    else:
+        sched.step()
     return bool(torch.isfinite(loss))
+
+
+def _unstepped(sched: Any) -> bool:
+    """Whether ``sched`` (or one a SequentialLR or ChainedScheduler holds) has not stepped since it
+    was built: the step at which torch checks that the optimizer stepped first."""
+    n = getattr(sched, "_step_count", None)
+    if n is not None:
+        return n == 1
+    return any(_unstepped(s) for s in getattr(sched, "_schedulers", ()))
 
 
 @torch.no_grad()

@@ -43,7 +43,7 @@ def test_two_ddp_processes_explore_agree_and_log(tmp_path):
     # the trainer's callback_metrics
     assert auto.engine is None
     assert float(trainer.callback_metrics["hpx/lr_base"]) == pytest.approx(ranks[0]["bases"]["lr"])
-    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).read_text().splitlines()))
     logged = [float(r["hpx/lr_base"]) for r in rows if r.get("hpx/lr_base")]
     assert len(logged) == len(ranks[0]["steps"]) and logged[-1] == pytest.approx(ranks[0]["bases"]["lr"])
     # hpx/lr: the lr the last step before the sync used: OneCycle's there times the base then
@@ -165,7 +165,7 @@ def test_n_replicas_in_one_process_with_manual_optimization(tmp_path):
         for p, q in zip(e.replicas[0].model.parameters(), rep.model.parameters()):
             assert torch.equal(p, q)
     assert e.replicas[0].model is module.net  # replica 0 is the module's own network
-    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).read_text().splitlines()))
     assert float([r for r in rows if r.get("hpx/lr_base")][-1]["hpx/lr_base"]) == pytest.approx(e.bases["lr"])
 
 
@@ -182,7 +182,7 @@ def test_forks_with_manual_optimization(tmp_path):
     assert f.step_count == 40 and f.decided and f.model is net is module.net
     assert [r.phase for r in f.history] == ["cut", "cut", "end"]
     assert f.factor != 1.0  # 0.001 is low for this net: a challenger won and was loaded into it
-    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    rows = list(csv.DictReader(next(tmp_path.rglob("metrics.csv")).read_text().splitlines()))
     counts = [float(r["hpx/forks"]) for r in rows if r.get("hpx/forks")]
     # five forks at first, then your run and one challenger, then the winner after the last step
     assert counts[0] == 5 and 2 in counts and counts[-1] == 1

@@ -58,7 +58,7 @@ def test_a_confident_winner_is_plain_lightning_at_its_multiple_bit_for_bit(tmp_p
     # 5 forks to step 6 (the cut at 4 scored on 5 copies annealed over 2 steps), 3 to 12 (the cut at
     # 10), 2 to 40; your run's steps (Lightning's) counted among them
     assert f.fork_steps == 5 * 6 + 4 * 2 + 3 * 6 + 2 * 2 + 2 * 28  # no annealed copy of your run
-    rows = list(csv.DictReader(open(next((tmp_path / "f").rglob("metrics.csv")))))
+    rows = list(csv.DictReader(next((tmp_path / "f").rglob("metrics.csv")).read_text().splitlines()))
     logged = [r for r in rows if r.get("hpx/lr_multiple")]
     assert [int(r["step"]) for r in logged] == [r.step for r in f.history]
     assert float(logged[-1]["hpx/lr_multiple"]) == 16.0 and float(logged[-1]["hpx/gain"]) > 2
