@@ -1,7 +1,8 @@
 """hpx.Forks on torch.distributed, launched by torchrun: every fork data-parallel over the ranks.
 
-    torchrun --nproc_per_node=2 examples/torchrun_forks.py     # 2 ranks on this machine
-    python examples/torchrun_forks.py                          # one process, the same search
+    torchrun --nproc_per_node=2 examples/torchrun_forks.py           # 2 ranks on this machine
+    torchrun --nproc_per_node=2 examples/torchrun_forks.py --shard   # each fork sharded (FSDP2)
+    python examples/torchrun_forks.py                                # one process, the same search
 
 An MLP on scikit-learn's bundled digits (nothing is downloaded), started 10x below a good
 learning rate. Every rank holds every fork (your run and its copies at 0.1x to 10x the learning
@@ -9,6 +10,11 @@ rate) and trains it on its own share of each batch; each fork's gradients are av
 ranks at every step, so each fork is ordinary data-parallel training. Every rank scores the same
 held-out batch, and rank 0's decisions are broadcast. Rank 0 prints a line per decision and the
 final test metrics of your model, which then holds the winner.
+
+With ``--shard`` each fork (your run included) is sharded over the ranks with FSDP2
+(``shard=``: ``fully_shard`` on each layer, then on the model), so each rank holds a 1/W part of
+every fork and its gradients are reduce-scattered during the backward: the memory of the forks
+divided by the ranks, for a model that fits once per device. The decisions are the same.
 
 On several machines, run the same torchrun command on each with ``--nnodes``, ``--node_rank`` and
 ``--rdzv_endpoint`` (see ``torchrun --help``). With GPUs the script uses NCCL and one GPU per
@@ -37,6 +43,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--batch", type=int, default=64, help="the global batch, shared by the ranks")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard", action="store_true", help="shard each fork over the ranks (FSDP2)")
     args = ap.parse_args()
 
     distributed = "RANK" in os.environ  # launched by torchrun
@@ -77,6 +84,19 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
             scored = ", ".join(f"{m * args.lr:.3g}: {s:.4f}" for m, s in zip(rec.values["lr"], rec.scores))
             print(f"step {rec.step:5d}  {rec.phase:4s} probe loss by lr  {scored}", flush=True)
 
+    shard = None
+    if args.shard and distributed:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+
+        def shard(m: nn.Module) -> None:  # as an FSDP2 script shards its model: each layer, then the whole
+            for layer in m:
+                if isinstance(layer, nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(m, mesh=mesh)
+
     forks = hpx.Forks(
         model,
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
@@ -85,6 +105,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
         probe=[probe],                                       # the same batch on every rank
         backend=hpx.backends.TorchDistributed() if distributed else None,
         on_sync=decided,
+        shard=shard,                                         # None: every rank holds every fork whole
     )
     gen = torch.Generator().manual_seed(args.seed)  # every rank draws the same global batch ...
     for _ in range(args.steps):
@@ -93,11 +114,11 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
         forks.step(lambda rep, b: F.cross_entropy(rep.model(b[0]), b[1]), (xt[mine], yt[mine]))
     model = forks.converge()                         # your model, holding the winner
 
+    model.eval()  # every rank evaluates (a sharded model gathers its layers from every rank)
+    with torch.no_grad():
+        logits = model(xs)
+    loss, acc = F.cross_entropy(logits, ys).item(), (logits.argmax(1) == ys).float().mean().item()
     if rank == 0:
-        model.eval()
-        with torch.no_grad():
-            logits = model(xs)
-        loss, acc = F.cross_entropy(logits, ys).item(), (logits.argmax(1) == ys).float().mean().item()
         print(f"{world} rank(s): lr {args.lr:g} -> {forks.factor * args.lr:.4g}; test loss {loss:.4f}, "
               f"accuracy {acc:.4f}")
 

@@ -17,6 +17,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from hpx import _checks
 from hpx._buckets import dtype_groups
+from hpx._fork_shard import is_dtensor, load_local, local, local_state
 from hpx.errors import ConfigError
 from hpx.knobs.base import Knob
 from hpx.replica import Replica
@@ -107,15 +108,19 @@ class _Fork:
 
     def copied(self, index: int, ramp: tuple[int, int] | None = None,
                factor: float | None = None, values: dict[str, float] | None = None,
-               shared: dict[int, Any] | None = None) -> _Fork:
+               shared: dict[int, Any] | None = None, sharder: Any = None) -> _Fork:
         """A deep copy of this fork's model, optimizer and scheduler (one copy: the optimizer holds
         the copied model's parameters and the scheduler the copied optimizer), at ``factor`` and
         ``values`` (default: this fork's; write them with :meth:`apply`); the tensors in ``shared``
-        (a memo, :meth:`hpx._fork_share._Shared.memo`) are held by the copy as they are, not copied."""
+        (a memo, :meth:`hpx._fork_share._Shared.memo`) are held by the copy as they are, not copied.
+        With a ``sharder`` (:class:`hpx._fork_shard._Sharder`) the copy is sharded as this fork is."""
         memo = graph_tensors_detached(self.model)
         memo.update(shared or {})
         try:
-            model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler), memo)
+            if sharder is not None:
+                model, opt, sched = sharder.copied(self.model, self.optimizer, self.scheduler, shared or {})
+            else:
+                model, opt, sched = copy.deepcopy((self.model, self.optimizer, self.scheduler), memo)
         except (TypeError, copy.Error, RuntimeError) as e:
             raise ConfigError([f"Forks trains each fork on a deep copy of your model, optimizer and "
                                f"scheduler, and copy.deepcopy failed ({type(e).__name__}: {e}): keep what "
@@ -150,16 +155,23 @@ class _Fork:
         self.scale_lrs()
 
     def state(self, parent: int | None = None) -> dict[str, Any]:
+        """Its model, optimizer, scheduler and settings (a sharded fork's: this rank's shards)."""
+        model, opt = self.model.state_dict(), self.optimizer.state_dict()
+        if any(is_dtensor(p) for p in self.model.parameters()):
+            model, opt = local_state(model), local_state(opt)
         return {"factor": self.factor, "scaled": self.scaled, "values": dict(self.values), "lost": self.lost,
                 "ramp": self.ramp,
-                "parent": parent, "model": self.model.state_dict(),
+                "parent": parent, "model": model,
                 "scaler": self.scaler.state_dict() if hasattr(self.scaler, "state_dict") else self.scaler,
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": opt,
                 "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
 
     def load(self, state: dict[str, Any], knobs: Sequence[Knob]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if any(is_dtensor(p) for p in self.model.parameters()):
+            load_local(self.model, self.optimizer, state["model"], state["optimizer"])
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.factor, self.lost = float(state["factor"]), bool(state["lost"])
@@ -583,7 +595,7 @@ def state_problems(state: Any, settings: dict[str, Any], knobs: list[str], model
     if list(state.get("knobs", [])) != knobs:
         return [f"the saved run forked the knobs {list(state.get('knobs', []))}, this one {knobs}: build "
                 "Forks with the saved run's knobs to resume it"]
-    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    want = {k: tuple(local(v).shape) for k, v in model.state_dict().items()}  # a sharded fork: this rank's
     groups = [len(g["params"]) for g in optimizer.param_groups]
     for i, f in enumerate([*state["forks"], *state["clones"]]):
         have = {k: tuple(v.shape) for k, v in f["model"].items()}

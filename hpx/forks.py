@@ -32,7 +32,9 @@ in hpx"); the peak as measured: ``docs/benchmarks.md`` (``python -m benchmarks.f
 
 Under torch.distributed every rank trains every fork on its part of the batch, each fork's
 gradients averaged over the ranks (one all-reduce per dtype per step): data-parallel training.
-Floating buffers are averaged before a fork is scored; rank 0's decisions are broadcast.
+With ``shard=`` every fork is sharded over the ranks by FSDP2 instead (1/W of each fork per rank,
+gradients reduce-scattered during each backward: ``hpx._fork_shard``). Floating buffers are
+averaged before a fork is scored; rank 0's decisions are broadcast.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hpx import _checks
 from hpx._fork_probe import _layout, first_checked, mean_score, probe_losses, probes_alike, ranks_start_alike
+from hpx._fork_shard import _Sharder, is_dtensor
 from hpx._fork_share import _Shared
 from hpx._forks import (
     _APART,
@@ -140,6 +143,12 @@ class Forks:
             (a BatchNorm's running statistics never are). A frozen parameter unfrozen later must be
             unfrozen through :meth:`each`; a shared buffer written at a later step stops the run
             with its name. ``False``: every fork copies everything.
+        shard: under torch.distributed, a function that shards a model in place with FSDP2, as
+            your FSDP2 script would (``fully_shard`` on each block, then on the whole model, on a
+            mesh over every rank): applied to your model (in place; your optimizer's groups are
+            pointed at its sharded parameters, so build Forks before the first step) and to every
+            fork and annealed copy, so each rank holds 1/W of each. Pass the bare model. A
+            checkpoint resumes only on the layout it was saved with.
 
     Attributes:
         history: a :class:`~hpx.SyncRecord` per decision (``phase`` ``"cut"`` or ``"end"``;
@@ -183,6 +192,7 @@ class Forks:
         backend: Collective | None = None,
         on_sync: Callable[[SyncRecord], Any] | Sequence[Callable[[SyncRecord], Any]] = (),
         share: bool = True,
+        shard: Callable[[torch.nn.Module], Any] | None = None,
         **unknown: Any,
     ) -> None:
         self._t0 = time.perf_counter()
@@ -199,6 +209,9 @@ class Forks:
                      for _ in callbacks[:1] if not all(callable(c) for c in callbacks)]
         problems += [f"share must be True or False (got {_checks.shown(share)})" for _ in [0]
                      if not isinstance(share, bool)]
+        problems += [f"shard must be a function that shards a model in place, e.g. shard=lambda m: "
+                     f"fully_shard(m, mesh=mesh), or None (got {_checks.shown(shard)})" for _ in [0]
+                     if shard is not None and not callable(shard)]
         ConfigError.check(problems)
         assert isinstance(optimizer, torch.optim.Optimizer)
         self.collective: Collective = backend if backend is not None else default_backend()
@@ -221,14 +234,19 @@ class Forks:
         if schedule is not None and not isinstance(schedule, LRScheduler):
             schedule = LambdaLR(optimizer, schedule)
         ranks_start_alike(self, model)
+        # sharded forks: your model sharded in place, every other fork a sharded copy (_fork_shard)
+        self._sharder = None if shard is None else _Sharder(model, optimizer, shard)
         self._shared = _Shared(model, share)  # what every fork holds once: frozen, then unwritten buffers
+        if self._sharder is not None:  # FSDP shards a frozen parameter with the rest, per fork
+            self._shared.params = []
         start = _Fork(1.0, Replica(0, model, optimizer), schedule, None)
         start.values = dict(bases)
         start.apply(self.knobs)
         # every other fork starts from a copy of your run
         self._forks: list[_Fork] = [start]
         for i, (m, values) in enumerate(settings, 1):
-            self._forks.append(start.copied(i, factor=m, values=values, shared=self._shared.memo()))
+            self._forks.append(start.copied(i, factor=m, values=values, shared=self._shared.memo(),
+                                            sharder=self._sharder))
             self._forks[-1].apply(self.knobs)
         self._bases = bases
         self._clones: list[_Fork] = []  # a cut's annealed copies, one per fork, while they train
@@ -318,7 +336,8 @@ class Forks:
         if max_grad_norm is not None:  # the annealed copies too, as their forks are (norms not shown)
             clipped = [torch.nn.utils.clip_grad_norm_(self._clip_params(f), float(max_grad_norm))
                        for f in trained]
-            norms = torch.stack([n for f, n in zip(trained, clipped) if f.ramp is None])
+            norms = torch.stack([n.full_tensor() if is_dtensor(n) else n
+                                 for f, n in zip(trained, clipped) if f.ramp is None])
         for f in trained:
             self._step_one(f, None if scaler is None else f.scaler)
         for f in trained if scaler is not None else ():
@@ -362,7 +381,7 @@ class Forks:
     def _reduce(self, trained: list[_Fork]) -> None:
         """Every fork's gradient <- its mean over the ranks (see :func:`hpx._forks.mean_over_ranks`);
         a parameter some ranks' losses reached and others' did not is named at the next decision."""
-        if self.collective.world_size > 1:
+        if self.collective.world_size > 1 and self._sharder is None:  # FSDP reduced them in the backward
             apart = mean_over_ranks(trained, self.collective)
             self._apart = apart if self._apart is None or apart is None else self._apart | apart
 
@@ -419,7 +438,7 @@ class Forks:
                 # challengers, and the peak holds one copy fewer
                 self._parents = [i for i, f in enumerate(self._forks) if i > 0 and not f.lost]
                 memo = self._shared.memo()
-                self._clones = [self._forks[i].copied(n + j, ramp=(s, k), shared=memo)
+                self._clones = [self._forks[i].copied(n + j, ramp=(s, k), shared=memo, sharder=self._sharder)
                                 for j, i in enumerate(self._parents)]
                 self._decide_at = (s + k, keep)
             else:
@@ -597,6 +616,7 @@ class Forks:
                 "knobs": [k.name for k in self.knobs], "decided": self.decided,
                 "initial": self._initial, "decide_at": self._decide_at,
                 "shared_buffers": [n for n, _, _ in self._shared.buffers],
+                "layout": self._layout(),
                 "forks": [f.state() for f in self._forks],
                 "clones": [c.state(p) for c, p in zip(self._clones, self._parents)],
                 "history": [dataclasses.asdict(r) for r in self.history]}
@@ -610,10 +630,12 @@ class Forks:
         if state.get("decided"):
             self._shared.params = []
         memo: dict[int, Any] = {id(p): p for _, p in self._shared.params}  # frozen: held once
-        forks = [start] + [start.copied(i, shared=memo) for i in range(1, len(state["forks"]))]
+        forks = [start] + [start.copied(i, shared=memo, sharder=self._sharder)
+                           for i in range(1, len(state["forks"]))]
         for f, s in zip(forks[1:], state["forks"][1:]):
             f.load(s, self.knobs)
-        clones = [start.copied(len(forks) + i, shared=memo) for i in range(len(state["clones"]))]
+        clones = [start.copied(len(forks) + i, shared=memo, sharder=self._sharder)
+                  for i in range(len(state["clones"]))]
         for c, s in zip(clones, state["clones"]):
             c.load(s, self.knobs)
         mine = {n: b for n, b in start.model.named_buffers()}
@@ -633,10 +655,23 @@ class Forks:
         self.history = [SyncRecord(**r) for r in state["history"]]
         self._fresh = True
 
+    def _layout(self) -> dict[str, Any]:
+        """How the forks are laid over the ranks: a checkpoint holds one rank's part of that layout."""
+        return {"processes": self.collective.world_size, "sharded": self._sharder is not None}
+
     def _load_problems(self, state: Any) -> list[str]:
         """Why :meth:`load_state_dict` would refuse ``state`` (``hpx.load_checkpoint`` asks every
         rank before any loads)."""
         start = self._forks[0]
+        saved = state.get("layout") if isinstance(state, dict) else None
+        if saved is not None and saved != self._layout():
+            def shown(lay: dict[str, Any]) -> str:
+                how = ("each fork sharded over them (shard=...)" if lay.get("sharded")
+                       else "each holding every fork")
+                return f"{lay.get('processes')} process(es), {how}"
+            return [f"the saved run's forks were laid out over {shown(saved)}; this one's over "
+                    f"{shown(self._layout())}: resume with the layout the run was saved with (the same "
+                    "number of processes and the same shard= setting)"]
         return state_problems(state, {k: getattr(self, k) for k in _SETTINGS}, [k.name for k in self.knobs],
                               start.model, start.optimizer, start.scheduler)
 

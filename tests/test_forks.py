@@ -571,7 +571,7 @@ def test_a_run_that_blows_up_is_no_longer_trained_and_loses_at_the_end():
     assert forks.factor in (1e-6, 1e-5) and all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def _example(*launch: str) -> list[str]:
+def _example(*launch: str, flags: tuple[str, ...] = ()) -> list[str]:
     import os
     import subprocess
     import sys
@@ -579,7 +579,7 @@ def _example(*launch: str) -> list[str]:
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    cmd = [sys.executable, *launch, str(root / "examples" / "torchrun_forks.py"), "--steps", "200"]
+    cmd = [sys.executable, *launch, str(root / "examples" / "torchrun_forks.py"), "--steps", "200", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     how = " ".join(launch) or "python"
     assert proc.returncode == 0, f"{how} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
@@ -597,6 +597,10 @@ def test_the_torchrun_example_decides_on_two_ranks_as_in_one_process():
     assert [line.split("probe loss")[0].strip() for line in two[:-1]] == steps
     assert one[-1].startswith("1 rank(s): lr 0.03 -> ") and two[-1].startswith("2 rank(s): lr 0.03 -> ")
     assert one[-1].split("-> ")[1].split(";")[0] == two[-1].split("-> ")[1].split(";")[0]
+    sharded = _example("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       flags=("--shard",))
+    assert [line.split("probe loss")[0].strip() for line in sharded[:-1]] == steps
+    assert sharded[-1].split(";")[0] == two[-1].split(";")[0]  # each fork sharded: the same winner
 
 
 def _dropouts(model: nn.Module) -> list[float]:
