@@ -158,3 +158,24 @@ def test_a_checkpoint_of_another_layout_is_refused_naming_both(ranks):
         assert "laid out over 4 process(es), each fork sharded over them (shard=...)" in r["other_layout"]
         assert "this one's over 4 process(es), each holding every fork" in r["other_layout"]
         assert r["other_unchanged"]
+
+
+def _refused(**kw) -> str:
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if kw.pop("stepped", False):
+        F.mse_loss(model(torch.randn(4, 8)).squeeze(-1), torch.zeros(4)).backward()
+        opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(hpx.ConfigError) as e:
+        hpx.Forks(model, opt, total_steps=STEPS, probe=_data()[1], **kw)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(type(p) is nn.Parameter for p in model.parameters())  # nothing was sharded
+    return str(e.value)
+
+
+def test_a_shard_that_is_no_function_or_shards_nothing_is_refused_by_name():
+    assert "shard must be a function that shards a model in place" in _refused(shard="fsdp")
+    assert "shard= left every parameter whole" in _refused(shard=lambda m: None)
+    stepped = _refused(shard=lambda m: None, stepped=True)
+    assert "shard= needs an optimizer that has not stepped yet" in stepped
