@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,13 +80,31 @@ def _child(kind: str, method: str, steps: int, width: int) -> None:
     import hpx
 
     torch.set_num_threads(1)
+    backend, shard, rank, world = None, None, 0, 1
+    if method != "plain" and method != "forks":  # forks/ranks, forks/sharded: one process of W (torchrun)
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        backend = hpx.backends.TorchDistributed()
+        if method == "forks/sharded":
+            mesh = init_device_mesh("cpu", (world,))
+
+            def shard(m: nn.Module) -> None:  # each layer its own unit, then the whole, as FSDP2 does
+                for layer in [m for m in m.modules() if isinstance(m, nn.Linear)]:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(m, mesh=mesh)
     x, y = _data()
     g = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(x), generator=g)
+    order = torch.randperm(len(x) - 256, generator=g)  # the last 256 rows are the probe
     batches = [(x[order[i:i + BATCH]], y[order[i:i + BATCH]]) for i in range(0, BATCH * steps, BATCH)
-               if i + BATCH <= len(x)]
+               if i + BATCH <= len(order)]
     while len(batches) < steps:
         batches += batches[: steps - len(batches)]
+    part = BATCH // world  # under torchrun each rank trains on its part of every batch
+    batches = [(bx[rank * part:(rank + 1) * part], by[rank * part:(rank + 1) * part]) for bx, by in batches]
     probe = [(x[-256:], y[-256:])]
     base = _status("VmRSS")
     model = _model(kind, width)
@@ -99,24 +118,45 @@ def _child(kind: str, method: str, steps: int, width: int) -> None:
             sched.step()
         extra = {}
     else:
-        forks = hpx.Forks(model, opt, total_steps=steps, schedule=sched, probe=probe)
+        forks = hpx.Forks(model, opt, total_steps=steps, schedule=sched, probe=probe, backend=backend,
+                          shard=shard)
         for b in batches:
             forks.step(lambda rep, bb: F.cross_entropy(rep.model(bb[0]), bb[1]), b)
         forks.converge()
         extra = {"fork_steps": forks.fork_steps}
-    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(json.dumps({"bytes": _status("VmHWM") - base, "params": sum(p.numel() for p in model.parameters()),
-                      "trained": trained, **extra}))
+    peak = _status("VmHWM") - base  # read before the model is built again, for its counts
+    whole = _model(kind, width)  # the model as built (a sharded one holds a part of it)
+    out = {"bytes": peak, "params": sum(p.numel() for p in whole.parameters()),
+           "trained": sum(p.numel() for p in whole.parameters() if p.requires_grad), **extra}
+    if world > 1:
+        import torch.distributed as dist
+
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, out["bytes"])
+        out["bytes"] = max(every)  # the largest rank's peak
+        out["ranks"] = every
+        if rank == 0:
+            print(json.dumps(out))
+        dist.destroy_process_group()
+        return
+    print(json.dumps(out))
 
 
-def measure(kind: str, method: str, steps: int = STEPS, width: int = WIDTH) -> dict:
-    """Run one configuration in a fresh process; its peak memory over its baseline, in bytes."""
+def measure(kind: str, method: str, steps: int = STEPS, width: int = WIDTH, ranks: int = 1) -> dict:
+    """Run one configuration in a fresh process (``ranks`` > 1: that many gloo processes under
+    torchrun); its peak memory over its baseline, in bytes (the largest rank's)."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
-    out = subprocess.run([sys.executable, "-m", "benchmarks.forks_memory", "--child", kind, method,
+    run = [sys.executable, "-m"] if ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "-m"]
+    out = subprocess.run([*run, "benchmarks.forks_memory", "--child", kind, method,
                           str(steps), str(width)], cwd=ROOT, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"the {kind}/{method} child failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+RANKS = 4
+SPREAD = ("forks/ranks", "forks/sharded")  # under torchrun: every fork on every rank; each fork sharded
 
 
 def section(res: dict, command: str, wall: float) -> str:
@@ -133,6 +173,20 @@ def section(res: dict, command: str, wall: float) -> str:
         label = "MLP, every parameter trained" if kind == "full" else "the same MLP frozen, a trainable head"
         lines.append(f"| {label} | {p['params'] / 1e6:.1f} M ({p['trained'] / 1e6:.2f} M) | "
                      f"{p['bytes'] / mib:.0f} | {f['bytes'] / mib:.0f} | {f['bytes'] / p['bytes']:.2f} |")
+    if "ranks" in res:
+        one, plain = res["full"]["forks"]["bytes"], res["full"]["plain"]["bytes"]
+        bar = one / RANKS + plain
+        lines += ["", f"Under torchrun, {RANKS} gloo processes on this machine, the full MLP, each rank "
+                  "training on its quarter of every batch: the largest rank's peak over its own baseline "
+                  "(taken once the process group is up). The bar: one-process Forks / 4 plus one model's "
+                  f"working set (plain training's peak above): {one / mib:.0f} / {RANKS} + "
+                  f"{plain / mib:.0f} = {bar / mib:.0f} MiB.", "",
+                  "| layout | MiB per rank (largest) | x one-process Forks | within the bar |",
+                  "| --- | ---: | ---: | --- |"]
+        for method, label in zip(SPREAD, ("every rank holds every fork whole (the default)",
+                                          "each fork sharded over the ranks (`shard=`, FSDP2)")):
+            b = res["ranks"][method]["bytes"]
+            lines.append(f"| {label} | {b / mib:.0f} | {b / one:.2f} | {'yes' if b <= bar else 'no'} |")
     return "\n".join(lines)
 
 
@@ -145,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-write", action="store_true", help="print the table only")
     a = p.parse_args(argv)
     t0 = time.perf_counter()
-    res = {k: {m: measure(k, m) for m in METHODS} for k in KINDS}
+    res: dict[str, Any] = {k: {m: measure(k, m) for m in METHODS} for k in KINDS}
+    res["ranks"] = {m: measure("full", m, ranks=RANKS) for m in SPREAD}
     text = section(res, "python -m benchmarks.forks_memory", time.perf_counter() - t0)
     print(text)
     if not a.no_write:
