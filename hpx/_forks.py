@@ -199,21 +199,43 @@ def mean_over_ranks(trained: Sequence[_Fork], collective: Any) -> torch.Tensor |
     params = [p for f in trained for p in f.model.parameters() if p.requires_grad]
     apart = None
     for idx in dtype_groups(params, skip_empty=True).values():
-        ps = [params[i] for i in idx]
-        has = ps[0].new_ones(len(ps))
-        for j, p in enumerate(ps):
-            if p.grad is None:
-                has[j] = 0
-        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps]
-                         + [has])
-        collective.all_reduce_sum_([flat])
-        counts, grads = flat[-len(ps):], flat[:-len(ps)].div_(world)
-        for p, part in zip(ps, grads.split([p.numel() for p in ps])):
-            if p.grad is not None:
-                p.grad.copy_(part.view_as(p.grad))
-        odd = ((counts > 0) & (counts < world)).any()
-        apart = odd if apart is None else apart | odd
+        for ps in _buckets([params[i] for i in idx]):
+            odd = _reduce_bucket(ps, collective, world)
+            apart = odd if apart is None else apart | odd
     return apart
+
+
+_BUCKET = 1 << 24  # elements in one all-reduce (64 MiB of float32): the flat copy's memory stays bounded
+
+
+def _buckets(ps: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``ps`` in consecutive runs of at most :data:`_BUCKET` elements (a larger tensor alone)."""
+    out: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in ps:
+        if out[-1] and size + p.numel() > _BUCKET:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.numel()
+    return out
+
+
+def _reduce_bucket(ps: list[torch.Tensor], collective: Any, world: int) -> torch.Tensor:
+    """One all-reduce of ``ps``' gradients (zeros where there is none) and of how many ranks had
+    each; the gradients <- their mean. Returns the device flag of a gradient some ranks lacked."""
+    has = ps[0].new_ones(len(ps))
+    for j, p in enumerate(ps):
+        if p.grad is None:
+            has[j] = 0
+    flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps]
+                     + [has])
+    collective.all_reduce_sum_([flat])
+    counts, grads = flat[-len(ps):], flat[:-len(ps)].div_(world)
+    for p, part in zip(ps, grads.split([p.numel() for p in ps])):
+        if p.grad is not None:
+            p.grad.copy_(part.view_as(p.grad))
+    return ((counts > 0) & (counts < world)).any()
 
 
 def model_params(f: _Fork) -> Iterable[torch.Tensor]:
