@@ -71,6 +71,10 @@ class _Shared:
             self._before = [None if isinstance(m, norms) else b.detach().clone()
                             for m, _, _, b in _named_buffers(models[0])]
 
+    def forget(self) -> None:
+        """Drop what :meth:`watch` saw (a first step that failed: the next one watches again)."""
+        self._watch, self._before = None, []
+
     def share_buffers(self, models: Sequence[torch.nn.Module]) -> None:
         """After the first optimizer step: the buffers it left unwritten in every model (``models[0]``
         your run's, the others forks' and copies' in the order :meth:`watch` saw them) become your

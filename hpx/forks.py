@@ -293,18 +293,22 @@ class Forks:
         trained)."""
         _checks.check(_checks.loss_fn_problems(loss_fn, batch) + _checks.scale_problems(scale, scaler)
                       + _checks.batch_problems(batch, None))
-        if self._probe_fn is None:
+        bound = self._probe_fn is None  # the probe's loss defaults to this one, once a step succeeds
+        if bound:
             self._probe_fn = loss_fn
-        trained = self._open()
-        bind_scalers(self._forks[0], trained, scaler)
-        calls = [lambda f=f: _forward_backward(f, loss_fn, batch, scale, None if scaler is None else f.scaler)
-                 for f in trained]
-        before = _layout(batch) if self.step_count == 0 else None  # the first step checks loss_fn
         try:
+            trained = self._open()
+            bind_scalers(self._forks[0], trained, scaler)
+            calls = [lambda f=f: _forward_backward(f, loss_fn, batch, scale,
+                                                   None if scaler is None else f.scaler) for f in trained]
+            before = _layout(batch) if self.step_count == 0 else None  # the first step checks loss_fn
             found = first_checked(lambda: common_draws(_device(self._forks[0].model), calls, self._streams),
                                   before, batch, trained, self._forks[0])
         except BaseException:
             self._fresh = True  # a failed backward (an OOM you skip) leaves no gradient behind
+            if bound:  # a refused first step binds nothing: the corrected loop's loss scores the probe
+                self._probe_fn, self._initial = None, None
+                self._shared.forget()
             raise
         losses = {id(f): v for f, v in zip(trained, found)}
         if all(id(f) in losses for f in self._forks):

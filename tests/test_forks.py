@@ -964,6 +964,27 @@ def test_a_loss_fn_that_trains_your_model_instead_of_the_fork_it_is_given_is_ref
     assert forks.step_count == 1
 
 
+def test_a_refused_first_step_binds_no_probe_loss():
+    """The probe's loss defaults to the first step's loss_fn, bound only once a step succeeds: after
+    the refused slip above, the slip's loss (your model object) scored every fork alike, every
+    decision a tie, and the run ended at 1x where a fresh object ends elsewhere."""
+    def run(slip: bool) -> hpx.Forks:
+        model = _net(p=0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0005, momentum=0.9)  # far too low
+        forks = hpx.Forks(model, opt, total_steps=STEPS, probe=PROBE, confidence=0)
+        if slip:
+            with pytest.raises(hpx.ConfigError, match=r"rep\.model\(batch\[0\]\)"):
+                forks.step(lambda rep, b: F.mse_loss(model(b[0]).squeeze(-1), b[1]), BATCHES[0])
+        for b in BATCHES[:STEPS]:
+            forks.step(_loss, b)
+        return forks
+
+    fresh, slipped = run(False), run(True)
+    assert fresh.factor != 1.0 and slipped.factor == fresh.factor
+    assert [r.scores for r in slipped.history] == [r.scores for r in fresh.history]
+    assert len(set(slipped.history[0].scores)) > 1  # not a tie
+
+
 def test_a_backward_that_fails_leaves_no_gradient_behind():
     """A loss that raises for one fork (an out-of-memory error you catch to skip the batch): the forks
     that took the batch's backward before it must not carry its gradient into the next step, so
