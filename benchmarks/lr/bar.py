@@ -9,9 +9,14 @@ Nothing is trained here. Each row reads what a command of the suite stored:
 * co-exploration (``Forks`` only, the README's route for a second knob): ``runs/lr/coexplore.json``
   (``python -m benchmarks.lr.coexplore``);
 * cost: the side-by-side seconds of ``python -m benchmarks.lr.cost`` (``runs/lr/cost.json``);
-* the momentum cycle: the tests that check it step by step against torch (named in the row).
+* the momentum cycle: the tests that check it step by step against torch (named in the row);
+* the lines below the table: ``runs/lr/noise.json`` (``python -m benchmarks.lr.noise``) and the
+  probe losses the committed grids carry.
 
-A row whose runs are missing says which command makes them.
+Printed, a row whose runs are missing says which command makes them. The docs section
+(``--method Forks``) is written only from stores that hold what it reads: where one is missing,
+or the suite's store lacks a task, the command exits naming the command that makes it, and
+docs/benchmarks.md is left as it is.
 """
 
 from __future__ import annotations
@@ -21,14 +26,17 @@ import math
 import statistics
 from typing import Any
 
+from benchmarks import _store
+from benchmarks.lr import __main__ as suite
 from benchmarks.lr.__main__ import (
     GRIDS,
     PROBE_SPLIT,
-    RUNS,
     _load,
     bar_counts,
     probe_picks,
     probe_size,
+    store_path,
+    suite_runs,
     table,
     write_section,
 )
@@ -122,7 +130,7 @@ BAR = [
 
 def bar_rows(method: str) -> list[tuple[str, str, str, str]]:
     """``(criterion, bar, design, held out)`` for each row of the bar."""
-    grids, store = _load(GRIDS), _load(RUNS / f"{method}.json")
+    grids, store = _load(GRIDS), _load(store_path(method))
     cols = []
     for held in (False, True):
         names = [t for t in TASKS if (t in HELD_OUT) == held]
@@ -139,7 +147,7 @@ def bar_rows(method: str) -> list[tuple[str, str, str, str]]:
 def by_probe_size(method: str) -> list[str]:
     """The suite's four rows again, both sets together, split by the probe's size (markdown lines)."""
     try:
-        rows = table(method, list(TASKS), _load(GRIDS), _load(RUNS / f"{method}.json"))
+        rows = table(method, list(TASKS), _load(GRIDS), _load(store_path(method)))
     except KeyError:
         return []
     big = {t for t in TASKS if probe_size(t) > PROBE_SPLIT}
@@ -219,13 +227,30 @@ def markdown(method: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def require_stores(method: str) -> None:
+    """Exit, naming the command that makes it, unless every store the section reads holds what
+    it reads: the method's suite runs on every task, co-exploration's runs (``Forks``), the cost
+    measurements and the nudged runs."""
+    from benchmarks.lr import noise
+
+    suite_runs(method, list(TASKS), _load(GRIDS))
+    stores = [(COST, "python -m benchmarks.lr.cost"), (noise.PATH, "python -m benchmarks.lr.noise")]
+    if method == "Forks":
+        stores.insert(0, (COEXPLORE, "python -m benchmarks.lr.coexplore"))
+    for path, command in stores:
+        _store.load(path, command, suite.DOC)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.bar", description=__doc__.split("\n")[0])
     p.add_argument("--method", default="Forks", choices=sorted([*METHODS, *LOOPS]))
     a = p.parse_args(argv)
+    write = a.method == "Forks"  # the recommended search's bar is the one the docs show
+    if write:
+        require_stores(a.method)
     md = markdown(a.method)
     print(md)
-    if a.method == "Forks":  # the recommended search's bar is the one the docs show
+    if write:
         write_section("lr-bar", "The learning-rate search against its bar (`hpx.Forks`)", md)
     return 0
 
