@@ -1,7 +1,7 @@
 """The report commands write a section of docs/benchmarks.md from results stored under ``runs/``
 (gitignored: a fresh clone has none). From a store that is missing, empty or short of a task they
 must exit naming the store and the command that makes it, and leave the docs byte for byte as
-they were.
+they were; and the bar's cost row reads the optimizer steps the cost command stores.
 
 Nothing here trains: every store is a temporary file, hand-made or absent.
 """
@@ -21,7 +21,7 @@ pytest.importorskip("pydoc_data.topics")
 from benchmarks.lr import __main__ as suite
 from benchmarks.lr import bar, noise, probesize
 from benchmarks.lr.run import Run
-from benchmarks.lr.tasks import TASKS
+from benchmarks.lr.tasks import HELD_OUT, TASKS
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -133,3 +133,40 @@ def test_the_benchmarks_report_only_refuses_a_missing_or_empty_results_file(tmp_
     results.write_text("{}")
     _refused(report, "full.json holds no results", "`python -m benchmarks --full`")
     assert doc.read_bytes() == before and not (tmp_path / "docs" / "img").exists()
+
+
+def _cost_store(path: Path, steps: float | None, held: bool = False, skip: int = 0) -> None:
+    """Every task of one set measured: Forks at 3x plain's seconds and ``steps`` times its steps."""
+    names = [t for t in TASKS if (t in HELD_OUT) == held][skip:]
+    row = {"plain": 2.0, "Forks": 6.0, "autolr": 3.0}
+    if steps is not None:
+        row["Forks steps"] = steps
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(dict.fromkeys(names, row)))
+
+
+def test_the_bars_cost_row_reads_the_stored_optimizer_steps_against_2x(lr_stores):
+    runs, _ = lr_stores
+    cost = runs / "cost.json"
+    assert dict(bar.BAR)["cost"] == "at most 2.0x plain training's optimizer steps at the defaults"
+    n = sum(t not in HELD_OUT for t in TASKS)
+    wall = "wall time median 3.00x plain's, 3.00-3.00 (not judged)"
+    _cost_store(cost, 2.9)  # Forks at its defaults
+    assert bar._cost_row("Forks", held=False) == (
+        f"2.90x plain training's optimizer steps over {n} tasks (not met); {wall}")
+    _cost_store(cost, 1.9)  # 3x plain's seconds: the wall time is beside the bar, not judged
+    assert bar._cost_row("Forks", held=False) == (
+        f"1.90x plain training's optimizer steps over {n} tasks (met); {wall}")
+    assert bar._cost_row("Forks", held=True) == "no runs: `python -m benchmarks.lr.cost`"
+    # a task not measured leaves the row unmet, however few its steps
+    _cost_store(cost, 1.9, skip=1)
+    assert bar._cost_row("Forks", held=False).startswith(
+        f"1.90x plain training's optimizer steps over {n - 1} tasks (1 not measured: "
+        "`python -m benchmarks.lr.cost`) (not met); ")
+    # seconds without steps (a store from before they were kept, or a method that counts none)
+    _cost_store(cost, None)
+    for method in ("Forks", "autolr"):
+        row = bar._cost_row(method, held=False)
+        assert row.startswith(f"optimizer steps not stored for {n} of {n} tasks: `python -m "
+                              "benchmarks.lr.cost` stores those")
+        assert "(met)" not in row and "(not met)" not in row  # no verdict without the steps

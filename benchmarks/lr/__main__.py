@@ -300,7 +300,8 @@ def markdown(method: str, rows: list[dict[str, Any]]) -> str:
                 f"> 1.02x plain at that start: {v['recover_vs_plain']}; the lr it ends at within 3x of "
                 f"the grid's best in {v['fixed_point_3x']:.0%} of cells (bar 80%), within 3x of the probe's "
                 f"pick in {_pct(v['pick_3x'])}; runs lost: {v['lost']}; "
-                f"time / plain at most {v['cost_max']:.2f} (bar 1.10).", ""]
+                f"time / plain at most {v['cost_max']:.2f} (the bar is on optimizer steps: "
+                "`python -m benchmarks.lr.bar`).", ""]
         solved = [r for r in part if r["resolved"]]
         if solved:
             w = verdict(solved)
