@@ -25,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _store
 from benchmarks.lr.prototypes import LOOPS
 from benchmarks.lr.run import METHODS, Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
@@ -32,6 +33,7 @@ from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 ROOT = Path(__file__).resolve().parents[2]
 GRIDS = Path(__file__).with_name("grids.json")
 RUNS = ROOT / "runs" / "lr"
+DOC = ROOT / "docs" / "benchmarks.md"
 SEEDS = (0, 1)
 STARTS = {"0.1x": 0.1, "1x": 1.0, "10x": 10.0}
 QUICK_STEPS = 12
@@ -39,6 +41,28 @@ QUICK_STEPS = 12
 
 def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def store_path(method: str, quick: bool = False) -> Path:
+    """Where ``eval --method method`` keeps its runs."""
+    return RUNS / f"{method}{'-quick' if quick else ''}.json"
+
+
+def suite_runs(method: str, tasks: list[str], grids: dict[str, Any], steps: int | None = None
+               ) -> dict[str, Any]:
+    """The method's stored suite runs, for a report that writes from them: every cell (start x
+    seed) of ``tasks``; when the store is missing or lacks a task's cell, an exit that names the
+    ``eval`` command that makes them (nothing written)."""
+    path = store_path(method, quick=steps is not None)
+    command = f"python -m benchmarks.lr eval --method {method}{' --quick' if steps is not None else ''}"
+    note = "hours on two cores" if steps is None else ""
+    store = _store.load(path, command, DOC, note)
+    missing = [t for t in tasks if any(Run(t, method, lr, s, steps).key not in store
+                                       for lr in cells(t, grids, steps).values() for s in SEEDS)]
+    if missing:
+        _store.refuse(path, f"{command} --tasks {' '.join(missing)}", DOC, lacks=", ".join(missing),
+                      note=note)
+    return store
 
 
 def _save(path: Path, data: dict[str, Any]) -> None:
@@ -276,7 +300,8 @@ def markdown(method: str, rows: list[dict[str, Any]]) -> str:
                 f"> 1.02x plain at that start: {v['recover_vs_plain']}; the lr it ends at within 3x of "
                 f"the grid's best in {v['fixed_point_3x']:.0%} of cells (bar 80%), within 3x of the probe's "
                 f"pick in {_pct(v['pick_3x'])}; runs lost: {v['lost']}; "
-                f"time / plain at most {v['cost_max']:.2f} (bar 1.10).", ""]
+                f"time / plain at most {v['cost_max']:.2f} (the bar is on optimizer steps: "
+                "`python -m benchmarks.lr.bar`).", ""]
         solved = [r for r in part if r["resolved"]]
         if solved:
             w = verdict(solved)
@@ -430,8 +455,7 @@ def write_section(marker: str, title: str, body: str, after: str | None = None) 
     """Put ``## title`` and ``body`` into docs/benchmarks.md between ``<!-- marker -->`` and
     ``<!-- /marker -->``: in place of the section if it is there, else after the section marked
     ``after`` (or at the top)."""
-    doc = ROOT / "docs" / "benchmarks.md"
-    text = doc.read_text()
+    text = DOC.read_text()
     start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
     section = f"{start}\n## {title}\n\n{body}{end}"
     if start in text:
@@ -442,7 +466,7 @@ def write_section(marker: str, title: str, body: str, after: str | None = None) 
     else:
         head, _, rest = text.partition("\n")
         text = f"{head}\n\n{section}\n{rest}"
-    doc.write_text(text)
+    DOC.write_text(text)
 
 
 def agreement(a: str, b: str, store_a: dict[str, Any], store_b: dict[str, Any]
@@ -496,10 +520,14 @@ def main(argv: list[str] | None = None) -> int:
     tables = []
     if a.command == "eval" and not a.mixed_numerics:
         numerics_problem(a.tasks[0], grids, steps)
+    if a.command == "report":  # from stored runs only: refused, naming `eval`, where any lacks a run
+        stored = {method: suite_runs(method, a.tasks, grids, steps) for method in a.method}
     for method in a.method:
-        path = RUNS / f"{method}{'-quick' if a.quick else ''}.json"
-        store = {} if a.fresh and a.command == "eval" else _load(path)
-        if a.command == "eval":
+        if a.command == "report":
+            store = stored[method]
+        else:
+            path = store_path(method, a.quick)
+            store = {} if a.fresh else _load(path)
             runs = [Run(t, method, lr, s, steps) for t in a.tasks
                     for lr in cells(t, grids, steps).values() for s in SEEDS]
             _run_all(runs, store, path, a.jobs)

@@ -30,6 +30,7 @@ from benchmarks.lr.__main__ import (
     cells,
     numerics_problem,
     probe_size,
+    suite_runs,
     table,
     write_section,
 )
@@ -89,19 +90,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="run against a stored grid whose runs this machine does not repeat bit for bit")
     a = p.parse_args(argv)
     grids = _load(GRIDS)
+    # the method's whole-probe runs are the suite's: without them nothing here is worth running
+    suite = suite_runs(a.method, a.tasks, grids)
     store = _load(STORE)
     if not a.mixed_numerics:
         numerics_problem(a.tasks[0], grids)
     runs = [Run(f"{t}@probe{n}", a.method, lr, s) for t in a.tasks for n in a.sizes
             for lr in cells(t, grids).values() for s in SEEDS]
     _run_all(runs, store, STORE, a.jobs)
-    suite = _load(RUNS / f"{a.method}.json")
-    missing = [t for t in a.tasks if any(Run(t, a.method, lr, s).key not in suite
-                                         for lr in cells(t, grids).values() for s in SEEDS)]
-    if missing:
-        names = " ".join(missing)
-        raise SystemExit(f"no suite runs of {a.method} on {names}: run "
-                         f"`python -m benchmarks.lr eval --method {a.method} --tasks {names}` first")
     full = {t: table(a.method, [t], grids, suite) for t in a.tasks}
     cut = {(t, n): table(a.method, [t], grids, _as_base(store, f"{t}@probe{n}", t, a.method))
            for t in a.tasks for n in a.sizes}
