@@ -110,6 +110,11 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
     goes through. For :class:`~hpx.Forks` the same holds when your run's trainable weights or
     optimizer state are non-finite (or, once your run is lost at a cut, every other fork's): the
     warning names the forks and the step, and the last finite checkpoint stays.
+
+    Pruning counts only steps whose file matches its digest: a damaged step never costs an intact
+    one, and the newest intact step is never deleted (a save reads the previous step's file back
+    to check it). What a save or prune killed part way left of this rank's (a payload without its
+    digest, an emptied step folder) is deleted here.
     """
     ConfigError.check(_call_problems("save_checkpoint", directory, engine))
     problems = []

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpx
+import hpx._files as files
 
 
 def _data(n: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +99,22 @@ def _steps(root: Path) -> list[int]:
     return sorted(int(d.name[5:]) for d in root.iterdir() if d.name.startswith("step-"))
 
 
+def _damage(root: Path, step: int) -> None:
+    """Flip bytes in the middle of this step's payload (its size unchanged)."""
+    path = root / f"step-{step:09d}" / "rank-00000.pt"
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, len(data) // 2 + 8):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def _finite(forks: hpx.Forks) -> bool:
     return all(torch.isfinite(p).all() for f in forks._forks for p in f.model.parameters())
+
+
+def _dead_pid() -> str:
+    return subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
 
 
 # --- item 1: a non-finite run is not saved --------------------------------------------------
@@ -185,6 +202,68 @@ def test_your_run_lost_at_a_cut_is_saved_and_a_resume_ends_as_the_run_does(tmp_p
     _train(resumed, 20)
     assert resumed.decided and resumed.factor == full.factor != 1.0
     assert _bits(resumed) == _bits(full) and _finite(resumed)
+
+
+# --- item 2: pruning counts only intact steps ----------------------------------------------
+
+
+def test_damaged_steps_do_not_count_toward_keep_and_never_cost_the_intact_one(tmp_path, caplog):
+    """Steps 5, 10, 15 saved; 10 and 15 damaged. The save of 20 with keep=2 keeps 20 and 5 (the damaged
+    two are not counted, and stay while newer than the oldest kept): with 20 damaged too, step 5 is
+    still there to load, as saved. Once two intact steps are newer, the damaged ones go."""
+    forks = _sgd()
+    snapshots = {}
+    for s in (5, 10, 15):
+        _train(forks, s)
+        hpx.save_checkpoint(tmp_path, forks, keep=3)
+        snapshots[s] = _bits(forks)
+    _damage(tmp_path, 10)
+    _damage(tmp_path, 15)
+    _train(forks, 20)
+    with caplog.at_level(logging.WARNING, logger="hpx"):
+        hpx.save_checkpoint(tmp_path, forks, keep=2)
+    assert _steps(tmp_path) == [5, 10, 15, 20]
+    assert "step 15 is not counted toward keep=2" in caplog.text
+    _damage(tmp_path, 20)
+    fresh = _sgd()
+    assert hpx.load_checkpoint(tmp_path, fresh) == 5
+    assert _bits(fresh) == snapshots[5]
+    for s in (25, 30):
+        _train(forks, s)
+        hpx.save_checkpoint(tmp_path, forks, keep=2)
+    assert _steps(tmp_path) == [25, 30]
+
+
+# --- item 3: what a killed prune leaves -----------------------------------------------------
+
+
+def test_what_a_killed_prune_or_save_left_is_never_counted_and_is_cleaned_at_the_next_save(tmp_path):
+    """By hand, the leftovers of prunes and saves killed part way: a payload whose digest a prune had
+    deleted (step 4), a digest whose payload is gone (step 2), a temporary file of a dead process, an
+    emptied step folder (step 1), one holding only a sharded replicas' directory (step 3), a payload
+    never given its digest at a step beyond the run (99). None counts as a step; the next save deletes
+    them all and keeps the two newest steps."""
+    forks = _sgd()
+    for s in (8, 12):
+        _train(forks, s)
+        hpx.save_checkpoint(tmp_path, forks, keep=2)
+    payload = (tmp_path / "step-000000012" / "rank-00000.pt").read_bytes()
+    leftovers = [tmp_path / f for f in ("step-000000004/rank-00000.pt", "step-000000002/rank-00000.pt.sha256",
+                                        f"step-000000004/.rank-00000.pt.tmp-{_dead_pid()}",
+                                        "step-000000003/sharded/.metadata", "step-000000099/rank-00000.pt")]
+    for f in leftovers:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(payload)
+    (tmp_path / "step-000000002" / "rank-00000.pt.sha256").write_text('{"sha256": "0", "world_size": 1}\n')
+    (tmp_path / "step-000000001").mkdir()
+    assert files._complete_steps(tmp_path, 0) == [12, 8]
+    assert hpx.load_checkpoint(tmp_path, _sgd()) == 12
+    _train(forks, 16)
+    hpx.save_checkpoint(tmp_path, forks, keep=2)
+    assert not any(f.exists() for f in leftovers)
+    assert _steps(tmp_path) == [12, 16, 99]  # 99 emptied: a folder newer than the run's is not its to remove
+    assert not any((tmp_path / "step-000000099").iterdir())
+    assert hpx.load_checkpoint(tmp_path, _sgd()) == 16
 
 
 # --- item 5: the issue's run ----------------------------------------------------------------
