@@ -177,10 +177,11 @@ def _remove_emptied(folder: Path) -> None:
         pass
 
 
-def _clean_stale(root: Path, rank: int) -> None:
+def _clean_stale(root: Path, rank: int, loading: bool = False) -> None:
     """Delete this rank's temporary files left by a process that died while saving (its PID no
     longer runs): payload-sized files no save would ever rename or delete. A live process's (a
-    save under way, or a PID on another host that happens to run here) is left alone."""
+    save under way, or a PID on another host that happens to run here) is left alone. Best effort:
+    a file that cannot be deleted (a read-only directory, ``loading``) is left, logged."""
     if not root.is_dir():
         return
     for d in root.iterdir():
@@ -189,7 +190,13 @@ def _clean_stale(root: Path, rank: int) -> None:
         for f in d.iterdir():
             m = _TEMP.match(f.name)
             if m and int(m.group(2)) == rank and not _alive(int(m.group(3))):
-                f.unlink(missing_ok=True)
+                try:
+                    os.remove(f)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.log(logging.DEBUG if loading else logging.WARNING, "could not delete %s, a temporary "
+                            "file a process killed while saving left (%s): left in place", f, e)
 
 
 def _alive(pid: int) -> bool:

@@ -99,7 +99,8 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
             that the ranks still share a step when one was killed while saving the newest.
 
     Temporary files that a process killed while saving left in the directory (their PID no
-    longer runs on this host) are deleted here and by :func:`load_checkpoint`.
+    longer runs on this host) are deleted here and by :func:`load_checkpoint` (which leaves them,
+    logged at debug level, where they cannot be deleted: a read-only directory loads).
 
     Every rank must call it at the same step. Saves are atomic per file: a process
     killed during a save leaves the previous checkpoints as they were.
@@ -280,7 +281,7 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
     ConfigError.check(problems)
     # shared mode over processes: a rank that trains instead of loading meets this, not a hang
     engine._check_aligned("loading a checkpoint")
-    _clean_stale(root, _processes(engine).rank)
+    _clean_stale(root, _processes(engine).rank, loading=True)
     load = _load_elastic if elastic else _load_sharded if _sharded(engine) else _load_own
     step = load(root, engine, extra, rng)
     if step is None:

@@ -6,8 +6,10 @@ a lost run of yours)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -264,6 +266,54 @@ def test_what_a_killed_prune_or_save_left_is_never_counted_and_is_cleaned_at_the
     assert _steps(tmp_path) == [12, 16, 99]  # 99 emptied: a folder newer than the run's is not its to remove
     assert not any((tmp_path / "step-000000099").iterdir())
     assert hpx.load_checkpoint(tmp_path, _sgd()) == 16
+
+
+# --- item 4: a read-only directory loads ------------------------------------------------------
+
+
+def _with_stale_temp(root: Path) -> tuple[hpx.Forks, Path]:
+    forks = _sgd()
+    _train(forks, 4)
+    hpx.save_checkpoint(root, forks)
+    stale = root / "step-000000004" / f".rank-00000.pt.tmp-{_dead_pid()}"  # a save killed later
+    stale.write_bytes(b"x" * 100)
+    return forks, stale
+
+
+def test_a_read_only_directory_with_a_stale_temp_file_loads(tmp_path, caplog):
+    forks, stale = _with_stale_temp(tmp_path)
+    folders = [tmp_path, stale.parent]
+    for d in folders:
+        os.chmod(d, 0o555)
+    try:
+        if os.access(stale.parent, os.W_OK):
+            pytest.skip("chmod does not make the directory read-only here (running as root)")
+        fresh = _sgd()
+        with caplog.at_level(logging.DEBUG, logger="hpx"):
+            assert hpx.load_checkpoint(tmp_path, fresh) == 4
+        assert _bits(fresh) == _bits(forks) and stale.exists()
+        assert f"could not delete {stale}" in caplog.text
+    finally:
+        for d in folders:
+            os.chmod(d, 0o755)
+
+
+def test_a_stale_temp_file_that_cannot_be_deleted_is_left_and_the_load_goes_on(tmp_path, caplog, monkeypatch):
+    """The same as on a read-only mount (EROFS), testable as root: the cleanup's os.remove raises."""
+    forks, stale = _with_stale_temp(tmp_path)
+
+    def read_only(path, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    monkeypatch.setattr(files.os, "remove", read_only)
+    fresh = _sgd()
+    with caplog.at_level(logging.DEBUG, logger="hpx"):
+        assert hpx.load_checkpoint(tmp_path, fresh) == 4
+    assert _bits(fresh) == _bits(forks) and stale.exists()
+    assert f"could not delete {stale}" in caplog.text and "Read-only file system" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    monkeypatch.undo()
+    assert hpx.load_checkpoint(tmp_path, _sgd()) == 4 and not stale.exists()  # deleted once it can be
 
 
 # --- item 5: the issue's run ----------------------------------------------------------------
