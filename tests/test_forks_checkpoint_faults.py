@@ -342,3 +342,12 @@ def test_a_nan_batch_at_step_21_of_60_leaves_the_finite_step_20_to_resume_from(t
     assert resumed.step_count == 20 and _finite(resumed)
     _train(resumed, 60)  # the bad batch left out this time
     assert resumed.decided and all(torch.isfinite(p).all() for p in resumed.model.parameters())
+
+
+def test_the_reliability_doc_names_these_tests_and_holds_their_table():
+    from benchmarks import reliability
+
+    named = [t.strip() for *_, tests in reliability.FORKS_CHECKPOINT_ROWS for t in tests.split(",")]
+    assert len(named) == 9 and all(callable(globals().get(n)) for n in named)
+    doc = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
+    assert "\n".join(reliability.FORKS_CHECKPOINT_SECTION) in doc
