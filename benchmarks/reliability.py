@@ -771,7 +771,55 @@ def _table(rows: list[Row], wall: float, command: str) -> str:
               "same error, on every rank. Its cost is one gradient-sized all-reduce per sync. Under "
               "DDP the gradient all-reduces are DDP's own: uneven inputs there are DDP's to handle "
               "(its `join()`).", ""]
+    lines += FORKS_CHECKPOINT_SECTION
     return "\n".join(lines)
+
+
+FORKS_CHECKPOINT_ROWS = [  # (fault injected, where, survived when, the test that checks it)
+    ("one batch holding a NaN at step 21 of 60 (AdamW + OneCycleLR, a checkpoint every 4 steps, keep=2): "
+     "every fork NaN from that step", "in process, 5 forks cut to 2",
+     "the saves after it write nothing, so steps 16 and 20 stay; a fresh Forks resumes from step 20 with "
+     "finite weights and, the batch replaced, trains to the end",
+     "test_a_nan_batch_at_step_21_of_60_leaves_the_finite_step_20_to_resume_from"),
+    ("every fork and annealed copy NaN at a save", "in process, 5 forks and 4 copies",
+     "`save_checkpoint` returns None and writes nothing; the search's state, the random stream and the "
+     "directory bit for bit as before; a warning names the step and each fork by its lr multiple",
+     "test_a_non_finite_run_is_not_saved_naming_the_forks_and_step_and_nothing_changes"),
+    ("an inf in your run's AdamW state, its weights finite", "in process",
+     "not saved, the warning naming your run", "test_non_finite_optimizer_state_alone_skips_the_save"),
+    ("a challenger blown up while your run is finite", "in process",
+     "saved as it is (the search drops it at the next cut); it resumes bit for bit",
+     "test_a_blown_up_challenger_is_saved_as_it_is"),
+    ("your run lost at a cut (non-finite, no longer trained) beside a finite challenger", "in process",
+     "saved as it is; a resume ends bit for bit as the uninterrupted run, the challenger winning",
+     "test_your_run_lost_at_a_cut_is_saved_and_a_resume_ends_as_the_run_does"),
+    ("the two newest of three checkpoints damaged (bytes flipped), then a save with keep=2", "in process",
+     "damaged steps do not count toward keep: the intact older step stays, and with the new step damaged "
+     "too it is loaded as saved; the damaged steps go once two intact steps are newer",
+     "test_damaged_steps_do_not_count_toward_keep_and_never_cost_the_intact_one"),
+    ("what a prune or save killed part way leaves: a payload without its digest, a digest without its "
+     "payload, a dead process's temporary file, an emptied step folder, one holding only a sharded "
+     "directory", "in process", "none counts as a step; the next save deletes them",
+     "test_what_a_killed_prune_or_save_left_is_never_counted_and_is_cleaned_at_the_next_save"),
+    ("a dead process's temporary file in a read-only checkpoint directory (chmod 555; os.remove raising "
+     "EROFS)", "in process", "the load succeeds; the file is left, logged at debug level",
+     "test_a_read_only_directory_with_a_stale_temp_file_loads, "
+     "test_a_stale_temp_file_that_cannot_be_deleted_is_left_and_the_load_goes_on"),
+]
+FORKS_CHECKPOINT_SECTION = [
+    "## hpx.Forks checkpoints under faults",
+    "",
+    "Checked by the tests named (real files, tiny `hpx.Forks` runs; `pytest "
+    "tests/test_forks_checkpoint_faults.py`, not rerun by this benchmark). A save at which your run (or, "
+    "once it is lost at a cut, every fork) is non-finite writes nothing, and pruning never deletes the "
+    "newest intact step.",
+    "",
+    "| fault injected | where | survived when | test |",
+    "| --- | --- | --- | --- |",
+    *[f"| {fault} | {where} | {when} | " + ", ".join(f"`{t.strip()}`" for t in test.split(",")) + " |"
+      for fault, where, when, test in FORKS_CHECKPOINT_ROWS],
+    "",
+]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,8 +27,16 @@ def _sidecar_info(path: Path) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
+def _matches(path: Path) -> bool:
+    """Whether the file matches the digest beside it (False when either cannot be read)."""
+    try:
+        return _digest(path) == _sidecar_info(path).get("sha256")
+    except OSError:
+        return False
+
+
 def _intact(path: Path, step: int) -> bool:
-    ok = _digest(path) == _sidecar_info(path).get("sha256")
+    ok = _matches(path)
     if not ok:
         log.warning("checkpoint %s does not match its digest (damaged after it was written): skipping "
                     "step %d", path, step)
@@ -115,25 +123,65 @@ def _complete_steps(root: Path, rank: int) -> list[int]:
 
 
 def _prune(root: Path, rank: int, keep: int, saved: int) -> None:
-    """Delete this rank's files of all but the newest ``keep`` complete steps up to ``saved``
-    (steps after it are an earlier run's that went further: not this run's to prune; counting them
+    """Delete this rank's files of the steps up to ``saved`` older than the newest ``keep`` intact
+    ones (complete, and matching their digests: ``saved``, just written and hashed, is), then what
+    a save or prune killed part way left of this rank's (:func:`_clean_leftovers`). A damaged step
+    is not counted: it never costs an older intact one its place, and stays while it is newer than
+    the oldest step kept (once ``keep`` intact steps are newer, it goes with the others). Steps
+    after ``saved`` are an earlier run's that went further: not this run's to prune (counting them
     would delete the saves of a run that restarted fresh because those were damaged)."""
-    for step in [s for s in _complete_steps(root, rank) if s <= saved][keep:]:
+    name = f"rank-{rank:05d}.pt"
+    kept: list[int] = []
+    for step in [s for s in _complete_steps(root, rank) if s <= saved]:
         folder = root / f"step-{step:09d}"
-        for f in (folder / f"rank-{rank:05d}.pt.sha256", folder / f"rank-{rank:05d}.pt"):
-            f.unlink(missing_ok=True)  # the digest first: a half-pruned step no longer counts
-        if (folder / _SHARDS).is_dir() and not any(folder.glob("rank-*.pt")):
-            shutil.rmtree(folder / _SHARDS, ignore_errors=True)  # the last process's prune
-        try:
-            folder.rmdir()  # the last rank to prune removes the folder
-        except OSError:
-            pass
+        if len(kept) >= keep:
+            for f in (_sidecar(folder / name), folder / name):
+                f.unlink(missing_ok=True)  # the digest first: a half-pruned step no longer counts
+            _remove_emptied(folder)
+        elif step == saved or _matches(folder / name):
+            kept.append(step)
+        else:
+            log.warning("checkpoint %s does not match its digest (damaged after it was written): step %d is "
+                        "not counted toward keep=%d, and the older intact steps stay", folder / name, step,
+                        keep)
+    _clean_leftovers(root, rank, saved, min(kept, default=saved))
 
 
-def _clean_stale(root: Path, rank: int) -> None:
+def _clean_leftovers(root: Path, rank: int, saved: int, oldest_kept: int) -> None:
+    """Delete what a save or a prune of this rank killed part way left, none of which counts as
+    complete: a payload without its digest (a prune deletes the digest first; a save writes it
+    last), a digest without its payload, in any step folder but ``saved``'s; and a step folder
+    older than ``oldest_kept`` left with nothing of any rank's (but a sharded replicas' directory
+    whose processes' files are all gone). Emptied folders not older than that are left: another
+    rank may be creating one (temporary files: :func:`_clean_stale`)."""
+    name = f"rank-{rank:05d}.pt"
+    for d in root.iterdir():
+        m = _STEP_DIR.match(d.name)
+        if not m or not d.is_dir() or int(m.group(1)) == saved:
+            continue
+        payload, digest = d / name, _sidecar(d / name)
+        if payload.is_file() != digest.is_file():
+            (payload if payload.is_file() else digest).unlink(missing_ok=True)
+        if int(m.group(1)) < oldest_kept:
+            _remove_emptied(d)
+
+
+def _remove_emptied(folder: Path) -> None:
+    """Remove a step folder that holds no rank's file any more: the sharded replicas' files first
+    (the last process's prune), then the folder (it stays while anything else is in it)."""
+    if (folder / _SHARDS).is_dir() and not any(e.name != _SHARDS for e in folder.iterdir()):
+        shutil.rmtree(folder / _SHARDS, ignore_errors=True)
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
+def _clean_stale(root: Path, rank: int, loading: bool = False) -> None:
     """Delete this rank's temporary files left by a process that died while saving (its PID no
     longer runs): payload-sized files no save would ever rename or delete. A live process's (a
-    save under way, or a PID on another host that happens to run here) is left alone."""
+    save under way, or a PID on another host that happens to run here) is left alone. Best effort:
+    a file that cannot be deleted (a read-only directory, ``loading``) is left, logged."""
     if not root.is_dir():
         return
     for d in root.iterdir():
@@ -142,7 +190,13 @@ def _clean_stale(root: Path, rank: int) -> None:
         for f in d.iterdir():
             m = _TEMP.match(f.name)
             if m and int(m.group(2)) == rank and not _alive(int(m.group(3))):
-                f.unlink(missing_ok=True)
+                try:
+                    os.remove(f)
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.log(logging.DEBUG if loading else logging.WARNING, "could not delete %s, a temporary "
+                            "file a process killed while saving left (%s): left in place", f, e)
 
 
 def _alive(pid: int) -> bool:

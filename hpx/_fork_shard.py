@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from hpx.averaging import local
 from hpx.errors import ConfigError
 
 
@@ -32,13 +33,9 @@ def _dtensor_type() -> type | None:
 
 
 def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a distributed tensor (an FSDP2 parameter or its optimizer state)."""
     d = _dtensor_type()
     return d is not None and isinstance(t, d)
-
-
-def local(t: Any) -> Any:
-    """A DTensor's shard on this rank (a view of it); any other value as it is."""
-    return t.to_local() if is_dtensor(t) else t
 
 
 def _meta_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -70,6 +70,7 @@ from hpx._loading import (
 from hpx.engine import Engine
 from hpx.errors import ConfigError, NonFiniteError
 from hpx.forks import Forks
+from hpx.history import _fork_label
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -90,7 +91,7 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
         engine: the :class:`~hpx.Engine` (its replicas' models and optimizers, knobs,
             search state, step, history), or the :class:`~hpx.Forks` (every fork's model,
             optimizer, scheduler and random stream, the annealed copies in flight, the
-            decisions; a fork that blew up is saved as it is).
+            decisions; a challenger that blew up is saved as it is, the search drops it).
         extra: more objects with ``state_dict()`` / ``load_state_dict()`` to save with it,
             by name: an LR scheduler, a ``GradScaler``, your data sampler.
         keep: complete checkpoints of this rank to keep (older ones are deleted once
@@ -98,7 +99,8 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
             that the ranks still share a step when one was killed while saving the newest.
 
     Temporary files that a process killed while saving left in the directory (their PID no
-    longer runs on this host) are deleted here and by :func:`load_checkpoint`.
+    longer runs on this host) are deleted here and by :func:`load_checkpoint` (which leaves them,
+    logged at debug level, where they cannot be deleted: a read-only directory loads).
 
     Every rank must call it at the same step. Saves are atomic per file: a process
     killed during a save leaves the previous checkpoints as they were.
@@ -106,7 +108,14 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
     A step at which some replica's weights are NaN or inf (on any rank) is not saved: a resumed
     run would start from them. Every rank skips it alike, with a warning, and the previous
     checkpoints stay; the next sync resets such a replica from the others, so a save after it
-    goes through.
+    goes through. For :class:`~hpx.Forks` the same holds when your run's trainable weights or
+    optimizer state are non-finite (or, once your run is lost at a cut, every other fork's): the
+    warning names the forks and the step, and the last finite checkpoint stays.
+
+    Pruning counts only steps whose file matches its digest: a damaged step never costs an intact
+    one, and the newest intact step is never deleted (a save reads the previous step's file back
+    to check it). What a save or prune killed part way left of this rank's (a payload without its
+    digest, an emptied step folder) is deleted here.
     """
     ConfigError.check(_call_problems("save_checkpoint", directory, engine))
     problems = []
@@ -118,6 +127,15 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
                         "before, the others only the new one. Give keep=2 or more")
     problems += _extra_problems(extra) + _directory_problems(Path(directory), "save_checkpoint")
     ConfigError.check(problems)
+    if isinstance(engine, Forks):
+        blown = _unsound_forks(engine)
+        if blown:
+            log.warning("step %d not saved: the trainable weights or optimizer state of %s are non-finite, "
+                        "and a checkpoint must not resume from them (nothing was written, so the previous "
+                        "checkpoints stay): resume from the newest with load_checkpoint, at a lower "
+                        "learning rate or with the batches since it checked for NaN/inf",
+                        engine.step_count, ", ".join(blown))
+            return None
     unsound = _unsound(engine)
     if unsound:
         log.warning("step %d not saved: the weights of replica(s) %s are non-finite, and a checkpoint "
@@ -165,8 +183,8 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
 
 def _unsound(engine: Engine | Forks) -> list[int]:
     """The replicas (global indices) whose weights or floating buffers are non-finite, the same
-    list on every rank (one pass over the weights and one gather). None for hpx.Forks: a fork that
-    blew up is part of its search (cut at the next cut, or your run given up at the end)."""
+    list on every rank (one pass over the weights and one gather). None for hpx.Forks: see
+    :func:`_unsound_forks`."""
     if isinstance(engine, Forks):
         return []
     try:
@@ -174,6 +192,50 @@ def _unsound(engine: Engine | Forks) -> list[int]:
     except NonFiniteError:
         return list(range(engine.n_replicas))
     return (~sound).nonzero().reshape(-1).tolist()
+
+
+def _unsound_forks(forks: Forks) -> list[str]:
+    """The non-finite forks and annealed copies (their labels: lr multiple and knobs) when the save
+    must be skipped, else ``[]``; the same on every rank (a host read per fork and one gather: a
+    save, not a step). Skipped: your run's trainable weights or optimizer state are non-finite, or,
+    once your run is lost (non-finite at a cut, kept only for the end's comparison, no longer
+    trained), every other fork's are (nothing finite is left to go on from). A challenger or a copy
+    that blew up while your run is finite is saved as it is: the search drops it at the next cut
+    (or your run beats it at the end), and a resume does the same; skipping for it would leave the
+    run unsaved until then, to its end after the last cut."""
+    everyone = [*forks._forks, *forks._clones]
+    device = _device(forks)
+    flags = torch.stack([_finite_state(f.model, f.optimizer).to(device) for f in everyone]).to(torch.float32)
+    finite = (_processes(forks).all_gather(flags).reshape(-1, len(everyone)) > 0).all(0).tolist()
+    start = forks._forks[0]
+    others = finite[1:len(forks._forks)]
+    if not start.lost and finite[0]:
+        return []
+    if start.lost and any(others):  # a finite challenger goes on
+        return []
+    labels = []
+    for i, f in enumerate(everyone):
+        if finite[i]:
+            continue
+        label = _fork_label(f.setting(), forks._bases)
+        labels.append(f"your run ({label}{', lost at a cut' if f.lost else ''})" if i == 0
+                      else f"the annealed copy of {label}" if f.ramp is not None else f"the fork at {label}")
+    return labels
+
+
+@torch.no_grad()
+def _finite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """Whether this process's part of the trainable parameters and of the optimizer's floating state
+    is all finite (a 0-dim bool tensor, read by the caller after the ranks' gather)."""
+    from hpx.averaging import local
+
+    tensors = [local(p) for p in model.parameters() if p.requires_grad]
+    tensors += [local(v) for st in optimizer.state.values() for v in st.values()
+                if torch.is_tensor(v) and v.is_floating_point()]
+    if not tensors:
+        return torch.ones((), dtype=torch.bool)
+    device = tensors[0].device
+    return torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all()
 
 
 def load_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *,
@@ -219,7 +281,7 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
     ConfigError.check(problems)
     # shared mode over processes: a rank that trains instead of loading meets this, not a hang
     engine._check_aligned("loading a checkpoint")
-    _clean_stale(root, _processes(engine).rank)
+    _clean_stale(root, _processes(engine).rank, loading=True)
     load = _load_elastic if elastic else _load_sharded if _sharded(engine) else _load_own
     step = load(root, engine, extra, rng)
     if step is None:
