@@ -77,6 +77,7 @@ from hpx._forks import (
     state_problems,
     type_name,
 )
+from hpx.averaging import local
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError, ConsistencyError, NonFiniteError
@@ -464,6 +465,7 @@ class Forks:
         if 0 not in order:
             order = [*order[: keep - 1], 0]
         order = [i for i in order if i == 0 or math.isfinite(scores[i])]  # a blown-up challenger goes
+        self._check_probe_loss(scores[0])
         order, lost = self._agreed((sorted(order), not math.isfinite(scores[0])))
         if lost:
             self._forks[0].lost = True  # kept for the final comparison, no longer trained
@@ -476,6 +478,8 @@ class Forks:
         run was lost and it was not); the winner is loaded into your objects."""
         scores = self._scores(self._forks)
         self._raise_if_all_lost(scores)
+        if not self._forks[0].lost:
+            self._check_probe_loss(scores[0])
         best = _ranked(scores, [f.distance(self._bases) for f in self._forks])[0]
         gain = math.nan
         if best != 0 and math.isfinite(scores[0]):
@@ -489,6 +493,26 @@ class Forks:
         rec = self._record("end", scores, [best], gain)
         self._adopt(best)
         self._notify(rec)
+
+    def _check_probe_loss(self, mine: float) -> None:
+        """Your run's probe loss is non-finite while its trainable weights are finite: an error in the
+        probe's loss (a log of 0, a division by zero), not a lost run, which would hand the run to a
+        challenger; raised on every rank before the decision (a host read at a decision)."""
+        if self._agreed(math.isfinite(mine)) or self._forks[0].lost:  # rank 0's reading: one path for all
+            return
+        bad = torch.zeros((), dtype=torch.float64)
+        for p in self._forks[0].model.parameters():
+            if p.requires_grad:
+                bad += float(not bool(torch.isfinite(local(p)).all()))
+        if self.collective.world_size > 1:  # a sharded run: every rank's part
+            bad = bad.to(_device(self._forks[0].model))
+            self.collective.all_reduce_sum_([bad])
+        if float(bad) == 0:
+            raise NonFiniteError(f"at step {self.step_count} the probe's loss_fn gave your run a non-finite "
+                                 "loss while its weights are finite: the probe's loss is at fault, not your "
+                                 "run (a log of 0, a division by zero, a NaN in the probe batches); fix "
+                                 "loss_fn or the probe and resume from your last checkpoint. Nothing was "
+                                 "decided")
 
     def _raise_if_all_lost(self, scores: list[float]) -> None:
         if self._agreed(not any(math.isfinite(s) for s in scores)):

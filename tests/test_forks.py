@@ -1198,3 +1198,24 @@ def test_a_misspelt_setting_names_the_one_meant(kwargs, words):
     """Python's 'unexpected keyword argument' (or a missing total_steps) named no setting to use."""
     with pytest.raises(hpx.ConfigError, match=words):
         hpx.Forks(_net(), lambda m: torch.optim.SGD(m.parameters(), lr=0.01), probe=PROBE, **kwargs)
+
+
+@pytest.mark.parametrize("from_step", [1, STEPS - 1])
+def test_a_probe_loss_that_is_nan_for_your_finite_run_is_an_error_not_a_win_for_a_challenger(from_step):
+    """Your run's probe loss nan at the end (its weights finite): a challenger used to replace it,
+    logged at INFO only. Now it is said to be the probe's loss, at the cut or the end where it shows."""
+    broken = {"on": False}
+
+    def probe_loss(rep, b):
+        out = _per_example(rep, b)
+        return out * math.nan if broken["on"] and rep.value("lr") == 1.0 else out
+
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=STEPS, probe=PROBE,
+                      loss_fn=probe_loss)
+    with pytest.raises(hpx.NonFiniteError, match=r"at step \d+ the probe's loss_fn gave your run a "
+                                                 r"non-finite loss while its weights are finite"):
+        for i, b in enumerate(BATCHES[:STEPS]):
+            broken["on"] = i >= from_step
+            forks.step(_loss, b)
+    assert forks.factor == 1.0 and all(torch.isfinite(p).all() for p in model.parameters())
