@@ -771,7 +771,7 @@ def _table(rows: list[Row], wall: float, command: str) -> str:
               "same error, on every rank. Its cost is one gradient-sized all-reduce per sync. Under "
               "DDP the gradient all-reduces are DDP's own: uneven inputs there are DDP's to handle "
               "(its `join()`).", ""]
-    lines += FORKS_CHECKPOINT_SECTION
+    lines += FORKS_CHECKPOINT_SECTION + FORKS_RUN_SECTION
     return "\n".join(lines)
 
 
@@ -851,3 +851,36 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+FORKS_RUN_ROWS = [  # (fault injected, where, what happens, the test in tests/test_forks.py that checks it)
+    ("one batch holding a NaN at step 21 of 60 (AdamW + OneCycleLR)", "in process, 5 forks",
+     "`NonFiniteError` at the next step's start, naming step 21 and the batch or the loss (it went on for "
+     "40 steps before)", "test_a_nan_batch_stops_the_run_the_next_step_naming_the_step"),
+    ("a challenger whose loss goes non-finite (3e4x your lr)", "in process, 2 forks",
+     "dropped as lost the step after, no longer trained; your run ends as plain training, bit for bit",
+     "test_a_challenger_that_blows_up_is_dropped_the_next_step_and_your_run_is_plain_training"),
+    ("every fork diverging, one after the other (lr 1e6)", "in process, 5 forks",
+     "each dropped the step after its loss went non-finite; `NonFiniteError` naming every fork when none "
+     "is left, before the first cut", "test_every_fork_non_finite_is_an_error_naming_the_forks"),
+    ("the probe's loss NaN for your run while its weights are finite, from a cut or at the end",
+     "in process", "`NonFiniteError` saying the probe's loss is at fault, before the decision (a challenger "
+     "used to replace your run)",
+     "test_a_probe_loss_that_is_nan_for_your_finite_run_is_an_error_not_a_win_for_a_challenger"),
+    ("a first step refused (the loss computed with your model object), then the corrected loop",
+     "in process", "no probe loss is bound by the refused step: the run decides as a fresh object does "
+     "(it ended at 1x, every decision a tie)", "test_a_refused_first_step_binds_no_probe_loss"),
+]
+FORKS_RUN_SECTION = [
+    "## hpx.Forks under non-finite losses",
+    "",
+    "Checked by the tests named (`pytest tests/test_forks.py`, not rerun by this benchmark). In one process "
+    "each step's losses are flagged on the device and read at the next step's start, without waiting on the "
+    "device (on a GPU, copied to pinned memory behind an event); under torch.distributed they are read at "
+    "the cuts and the end, where the ranks agree.",
+    "",
+    "| fault injected | where | what happens | test |",
+    "| --- | --- | --- | --- |",
+    *[f"| {fault} | {where} | {when} | `{test}` |" for fault, where, when, test in FORKS_RUN_ROWS],
+    "",
+]

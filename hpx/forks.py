@@ -273,6 +273,9 @@ class Forks:
         self._apart: torch.Tensor | None = None  # on device: a gradient some ranks had and others not
         self._streams: list[bool | None] = [None]  # Python's and NumPy's replayed too (common_draws)
         self._warned = False
+        # non-finite losses, read a step late without waiting on the device (one process): _read_losses
+        self._losses_bad: tuple[list[_Fork], torch.Tensor] | None = None  # this step's, on device
+        self._pending: tuple[int, list[_Fork], torch.Tensor, Any] | None = None  # the last step's
         self.history: list[SyncRecord] = []
 
     # --- the training step ------------------------------------------------------------------
@@ -311,6 +314,10 @@ class Forks:
                 self._probe_fn, self._initial = None, None
                 self._shared.forget()
             raise
+        if self.collective.world_size == 1:  # a device op; read a step later (_read_losses)
+            bad = ~torch.isfinite(torch.stack(found))
+            held = self._losses_bad
+            self._losses_bad = (trained, bad if held is None else held[1] | bad)
         losses = {id(f): v for f, v in zip(trained, found)}
         if all(id(f) in losses for f in self._forks):
             return torch.stack([losses[id(f)] for f in self._forks])
@@ -351,6 +358,7 @@ class Forks:
         if self.step_count == 0:  # the buffers the first step left unwritten are held once from now on
             self._shared.share_buffers([f.model for f in self._forks])
         self.fork_steps += len(trained) + self._outside  # a framework's step of your run counts too
+        self._stash_losses()
         self._advance()
         return norms
 
@@ -359,6 +367,7 @@ class Forks:
         micro-batch (and before the first step, the initial weights' probe loss)."""
         if self._fresh:  # what is held once is still shared safely (host reads only)
             ConfigError.check(self._shared.problems())
+            self._read_losses()
         if self._initial is None and not self.decided:
             self._initial = self._scores([self._forks[0]], first=True)[0]
             probes_alike(self.collective, self._initial)
@@ -376,11 +385,62 @@ class Forks:
             self._fresh = False
         return trained
 
+    def _stash_losses(self) -> None:
+        """The step's non-finite flags, one per fork trained, put where the next step reads them: on
+        a GPU copied to pinned host memory without waiting (an event says when they have landed)."""
+        held, self._losses_bad = self._losses_bad, None
+        if held is None:
+            return
+        forks, flags = held
+        event = None
+        if flags.device.type == "cuda":
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            flags = host
+        self._pending = (self.step_count + 1, forks, flags, event)
+
+    def _read_losses(self) -> None:
+        """At the next step's start, the last step's flags, once they have landed (no wait): a fork
+        whose loss was non-finite is dropped as lost (no longer trained, never kept by a cut or the
+        end); your run too, kept for the end's comparison as a run lost at a cut is. Every fork at
+        once is the batch's or the loss's fault: :class:`~hpx.errors.NonFiniteError`, naming the step."""
+        if self._pending is None:
+            return
+        step, forks, flags, event = self._pending
+        if event is not None and not event.query():
+            return  # still on its way: the next step reads it
+        self._pending = None
+        bad = [f for f, b in zip(forks, flags.tolist()) if b and not f.lost]
+        if not bad:
+            return
+        if len(bad) == len(forks) and not any(f.lost for f in self._forks):
+            raise NonFiniteError(f"at step {step} every fork's loss was non-finite "
+                                 f"({[f.setting() for f in forks]}): every fork saw that step's batch, so "
+                                 "the batch or the loss holds a NaN or inf; the forks' weights since are not "
+                                 "finite, and hpx.save_checkpoint skips a non-finite run, so your last "
+                                 "checkpoint is before it: resume from it, skip or mend that batch")
+        for f in bad:
+            f.lost = True
+            who = "your run" if f is self._forks[0] else (
+                f"the annealed copy of {f.factor:g}x" if f.ramp is not None else f"the fork at {f.factor:g}x")
+            kept = "; kept for the end's comparison" if f is self._forks[0] else ""
+            log.warning("hpx.Forks: %s had a non-finite loss at step %d: dropped as lost (no longer "
+                        "trained%s)", who, step, kept)
+        for i, c in zip(self._parents, self._clones):  # a lost fork's annealed copy says nothing
+            c.lost = c.lost or self._forks[i].lost
+        if all(f.lost for f in self._forks):  # one after the other: nothing is left to train
+            raise NonFiniteError(f"at step {step} every fork's weights or loss are non-finite "
+                                 f"({[f.setting() for f in self._forks]}): lower the learning rate, or check "
+                                 "the data and the loss for NaN/inf")
+
     def _trained(self) -> list[_Fork]:
         """The forks hpx trains: all but a lost run of yours (and yours when a framework trains it,
         ``_outside``), and the annealed copies in flight."""
         start = self._forks[0]
-        return [f for f in self._forks if not f.lost and not (f is start and self._outside)] + self._clones
+        return ([f for f in self._forks if not f.lost and not (f is start and self._outside)]
+                + [c for c in self._clones if not c.lost])
 
     @torch.no_grad()
     def _reduce(self, trained: list[_Fork]) -> None:
@@ -430,7 +490,7 @@ class Forks:
             if not self._forks[0].lost:  # your run is kept at every cut: scored as it is, not annealed
                 scored[0] = self._forks[0]
             for i, c in zip(self._parents, self._clones):
-                scored[i] = c
+                scored[i] = _LOST if self._forks[i].lost else c  # a fork lost since: its copy says nothing
             keep = self._decide_at[1]
             self._clones, self._parents, self._decide_at = [], [], None
             self._cut(keep, scored)

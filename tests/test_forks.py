@@ -284,13 +284,14 @@ def test_every_fork_non_finite_is_an_error_naming_the_forks():
     with pytest.raises(hpx.NonFiniteError, match=r"\[\{'lr': 1.0\}, \{'lr': 0.1\}\]"):
         for b in BATCHES[:10]:
             forks.step(_loss, b)
-    # with cuts, the first cut at which no fork is finite raises, not the run's end
+    # each fork is dropped the step after its loss went non-finite (4 for three of them, 5 for the
+    # rest), and the run stops then, not at the first cut (step 6) nor at the end
     model = nn.Linear(8, 1)
     forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=1e6), total_steps=40, probe=PROBE)
-    with pytest.raises(hpx.NonFiniteError, match="at step 6 every fork"):
+    with pytest.raises(hpx.NonFiniteError, match="at step 5 every fork"):
         for b in BATCHES[:40]:
             forks.step(_loss, b)
-    assert forks.step_count == 6 and not forks.decided
+    assert forks.step_count == 5 and not forks.decided
 
 
 def test_cuts_keep_the_best_scoring_forks_and_your_run():
@@ -1219,3 +1220,42 @@ def test_a_probe_loss_that_is_nan_for_your_finite_run_is_an_error_not_a_win_for_
             broken["on"] = i >= from_step
             forks.step(_loss, b)
     assert forks.factor == 1.0 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_nan_batch_stops_the_run_the_next_step_naming_the_step():
+    """A batch holding NaN at step 21 of 60: every fork's loss is NaN there. It went on for 40 steps
+    without a word; it is now an error at the next step's start, before anything else changes."""
+    model = _net(p=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=60)
+    forks = hpx.Forks(model, opt, total_steps=60, schedule=sched, probe=PROBE)
+    batches = [(b[0].clone(), b[1]) for b in BATCHES[:60]]
+    batches[20][0][3, 2] = math.nan  # step 21
+    with pytest.raises(hpx.NonFiniteError, match=r"at step 21 every fork's loss was non-finite.*the batch or "
+                                                 r"the loss holds a NaN"):
+        for b in batches:
+            forks.step(_loss, b)
+    assert forks.step_count == 21
+
+
+def test_a_challenger_that_blows_up_is_dropped_the_next_step_and_your_run_is_plain_training():
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=STEPS, probe=PROBE,
+                      multiples=(1.0, 3e4), cuts=(), confidence=1e9)
+    for b in BATCHES[:STEPS]:
+        forks.step(_loss, b)
+    assert forks.factor == 1.0
+    assert forks.fork_steps < 2 * STEPS - 20  # the 3e4x fork stopped training within a few steps
+    ref = _net(p=0.0)
+    _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.05), None, BATCHES[:STEPS])
+    assert _same(model, ref)
+
+
+def test_the_reliability_doc_holds_the_non_finite_table_naming_these_tests():
+    from pathlib import Path
+
+    from benchmarks import reliability
+
+    assert all(callable(globals().get(test)) for *_, test in reliability.FORKS_RUN_ROWS)
+    doc = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
+    assert "\n".join(reliability.FORKS_RUN_SECTION) in doc
