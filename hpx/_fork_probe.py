@@ -22,7 +22,8 @@ from hpx.signals import LossFn, _all_leaves, _leaves
 log = logging.getLogger("hpx")
 
 
-def ranks_start_alike(forks: Any, model: torch.nn.Module) -> None:
+def ranks_start_alike(forks: Any, model: torch.nn.Module,
+                      optimizer: torch.optim.Optimizer | None = None) -> None:
     """Under torch.distributed: every rank's settings of ``forks`` (``total_steps``, the number of
     knobs, the multiples, the cuts, ``cool``, ``confidence``) and parameter count are rank 0's, or
     every rank raises ``ConsistencyError`` (they went on to fail inside gloo); then every rank
@@ -34,6 +35,13 @@ def ranks_start_alike(forks: Any, model: torch.nn.Module) -> None:
                 forks.cool, forks.confidence, sum(p.numel() for p in model.parameters())]
     collective.check_same(torch.tensor(settings, dtype=torch.float64),
                           "Forks settings (total_steps, knobs, multiples, cuts, cool, confidence, weights)")
+    if optimizer is not None:  # each group's numbers (lr, weight decay, betas): a rank's own lr went unseen
+        numbers = [float(x) for g in optimizer.param_groups for k, v in sorted(g.items()) if k != "params"
+                   for x in (v if isinstance(v, tuple) else (v,))
+                   if isinstance(x, (int, float)) and not isinstance(x, bool)]
+        collective.check_same(torch.tensor(numbers, dtype=torch.float64),
+                              "the optimizer's settings (each parameter group's lr, weight decay, betas, "
+                              "...; build the optimizer alike on every rank)")
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             collective.broadcast_(t.data, 0)

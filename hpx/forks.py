@@ -59,6 +59,7 @@ from hpx._forks import (
     _APART,
     _FORMAT,
     _LOST,
+    _MET,
     _SETTINGS,
     _device,
     _Fork,
@@ -68,6 +69,7 @@ from hpx._forks import (
     _stepped_apart,
     _unstepped,
     bind_scalers,
+    check_steps_aligned,
     common_draws,
     knob_values,
     knobs_problems,
@@ -234,7 +236,7 @@ class Forks:
                                f"{1 + len(settings)} forks: give cuts= that keep fewer than there are"])
         if schedule is not None and not isinstance(schedule, LRScheduler):
             schedule = LambdaLR(optimizer, schedule)
-        ranks_start_alike(self, model)
+        ranks_start_alike(self, model, optimizer)
         # sharded forks: your model sharded in place, every other fork a sharded copy (_fork_shard)
         self._sharder = None if shard is None else _Sharder(model, optimizer, shard)
         self._shared = _Shared(model, share)  # what every fork holds once: frozen, then unwritten buffers
@@ -271,6 +273,7 @@ class Forks:
         self._clip_params: Callable[[_Fork], Iterable[torch.Tensor]] = model_params
         self._zero_model = False
         self._apart: torch.Tensor | None = None  # on device: a gradient some ranks had and others not
+        self._crossed: torch.Tensor | None = None  # on device: a step that met another rank's decision
         self._streams: list[bool | None] = [None]  # Python's and NumPy's replayed too (common_draws)
         self._warned = False
         # non-finite losses, read a step late without waiting on the device (one process): _read_losses
@@ -447,8 +450,9 @@ class Forks:
         """Every fork's gradient <- its mean over the ranks (see :func:`hpx._forks.mean_over_ranks`);
         a parameter some ranks' losses reached and others' did not is named at the next decision."""
         if self.collective.world_size > 1 and self._sharder is None:  # FSDP reduced them in the backward
-            apart = mean_over_ranks(trained, self.collective)
+            apart, met = mean_over_ranks(trained, self.collective)
             self._apart = apart if self._apart is None or apart is None else self._apart | apart
+            self._crossed = met if self._crossed is None or met is None else self._crossed | met
 
     def _step_one(self, f: _Fork, scaler: Any) -> None:
         m = f.multiple
@@ -485,6 +489,10 @@ class Forks:
             self._warned = True
             log.warning("step %d is past total_steps=%d: the forks were decided at the run's end; "
                         "training goes on at the winner's multiple %.4g", s, self.total_steps, self.factor)
+        due = (self._decide_at is not None and self._decide_at[0] <= s) or (
+            self._plan.get(s) is not None and self.cool == 0) or (s == self.total_steps and not self.decided)
+        if due:  # a decision's collectives follow: every rank must be at this step
+            self._check_aligned(f"deciding at step {s}")
         if self._decide_at is not None and self._decide_at[0] <= s:  # a cut decided on its copies
             scored = [_LOST] * len(self._forks)
             if not self._forks[0].lost:  # your run is kept at every cut: scored as it is, not annealed
@@ -684,6 +692,7 @@ class Forks:
     def converge(self) -> torch.nn.Module:
         """Decide now if the run's end has not decided yet (a loop shorter than ``total_steps``),
         and return your model, holding the winner. Under torch.distributed every rank calls it."""
+        self._check_aligned("converge()")  # a rank that stepped more or fewer times raises here
         if not self.decided and self._probe_fn is None:  # no step yet, no loss_fn=: nothing to compare
             self._adopt(0)
         elif not self.decided:
@@ -764,7 +773,16 @@ class Forks:
                               start.model, start.optimizer, start.scheduler)
 
     def _check_aligned(self, when: str) -> None:
-        """Nothing is checked before a load: every rank must make the same calls (README, Use)."""
+        """Under torch.distributed, before a decision, ``converge()`` or a load: every rank is at the
+        same step, or every rank raises :class:`ConsistencyError` within one collective instead of
+        hanging (:func:`hpx._forks.check_steps_aligned`; sharded forks' collectives are FSDP's and
+        are not checked)."""
+        if self.collective.world_size == 1 or self._sharder is not None:
+            return
+        if self._crossed is not None and bool(self._crossed):  # a host read, at a decision
+            raise ConsistencyError(f"a training step of this rank met another rank's decision, converge() "
+                                   f"or load_checkpoint (found at step {self.step_count}): {_MET}")
+        check_steps_aligned(self._trained(), self.collective, self.step_count, when)
 
     def __repr__(self) -> str:
         shown = [round(m, 3) for m in self.factors]

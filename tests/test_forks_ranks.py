@@ -143,3 +143,44 @@ def test_other_settings_changed_on_your_objects_alone_are_refused(change, words)
 def test_a_config_error_crosses_a_process_boundary_with_its_problems():
     e = pickle.loads(pickle.dumps(ConfigError(["first problem", "second"])))
     assert e.problems == ["first problem", "second"] and str(e) == "2 problems: first problem; second"
+
+
+def _uneven(rank: int, world: int) -> dict:
+    """Each case in turn: the last rank runs one step fewer, skips a batch, takes one step more, stops
+    early, or builds its optimizer at another lr. Each used to hang until the process group's
+    timeout (30 minutes by default) or end in a bare gloo error."""
+    import time
+
+    out = {}
+    for how in ("fewer", "skip", "extra", "stops", "lr"):
+        model = _net(p=0.0)
+        lr = 0.1 if how == "lr" and rank == world - 1 else 0.05
+        last = rank == world - 1
+        steps = STEPS + (-1 if how == "fewer" and last else 1 if how == "extra" and last else 0)
+        t0 = time.monotonic()
+        try:
+            opt = torch.optim.SGD(model.parameters(), lr=lr)
+            forks = hpx.Forks(model, opt, total_steps=STEPS, probe=PROBE,
+                              backend=hpx.backends.TorchDistributed())
+            for i, b in enumerate(BATCHES[:steps]):
+                if last and ((how == "skip" and i == 7) or (how == "stops" and i >= 12)):
+                    continue
+                forks.step(_loss, b)
+            forks.converge()
+            out[how] = ("ok", time.monotonic() - t0)
+        except ConsistencyError as e:
+            out[how] = (str(e), time.monotonic() - t0)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_that_step_unevenly_or_build_another_lr_raise_on_every_rank_without_hanging(world):
+    ranks = run_distributed(_uneven, world, timeout=240)
+    for r in ranks:
+        for how in ("fewer", "skip", "extra", "stops"):
+            msg, seconds = r[how]
+            assert "ran different numbers of optimizer steps" in msg, (how, msg)
+            assert seconds < 60, (how, seconds)  # a hang waited for the process group's timeout
+        assert "the optimizer's settings" in r["lr"][0] and "differ across ranks" in r["lr"][0]
+    assert any("another rank was at a training step" in r["fewer"][0] for r in ranks)
+    assert any("met another rank's decision, converge()" in r["fewer"][0] for r in ranks)
