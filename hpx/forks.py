@@ -52,6 +52,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hpx import _checks
+from hpx._fork_built import differences, dropout_record, optimizer_record, probe_record, schedule_record
 from hpx._fork_probe import _layout, first_checked, mean_score, probe_losses, probes_alike, ranks_start_alike
 from hpx._fork_shard import _Sharder, is_dtensor
 from hpx._fork_share import _Shared
@@ -252,6 +253,10 @@ class Forks:
                                             sharder=self._sharder))
             self._forks[-1].apply(self.knobs)
         self._bases = bases
+        # what built the run, for a resume to check (the probe's at its first pass: _open)
+        self._built: dict[str, Any] = {"optimizer": optimizer_record(optimizer, schedule is not None),
+                                       "schedule": schedule_record(schedule, self.total_steps),
+                                       "dropout": dropout_record(model), "probe": None}
         self._clones: list[_Fork] = []  # a cut's annealed copies, one per fork, while they train
         self._parents: list[int] = []  # ... and the fork each was copied from
         self._plan: dict[int, int] = {}  # step -> forks kept; cuts that round to one step follow each other
@@ -377,6 +382,8 @@ class Forks:
             ConfigError.check([] if self._initial == self._initial else [
                 "the probe's loss at your model's initial weights is nan: check the probe batches and the "
                 "probe's loss_fn for NaN (nothing was trained)"])
+            if self._built["probe"] is None:
+                self._built["probe"] = probe_record(self._probe)
         trained = self._trained()
         if self._fresh and self.step_count == 0:  # which buffers does a step write? (share_buffers)
             self._shared.watch([f.model for f in self._forks])
@@ -711,7 +718,7 @@ class Forks:
                 "step": self.step_count, "fork_steps": self.fork_steps, "factor": self.factor,
                 "values": dict(self.values),
                 "knobs": [k.name for k in self.knobs], "decided": self.decided,
-                "initial": self._initial, "decide_at": self._decide_at,
+                "initial": self._initial, "decide_at": self._decide_at, "built": self._built,
                 "shared_buffers": [n for n, _, _ in self._shared.buffers],
                 "layout": self._layout(),
                 "forks": [f.state() for f in self._forks],
@@ -769,8 +776,18 @@ class Forks:
             return [f"the saved run's forks were laid out over {shown(saved)}; this one's over "
                     f"{shown(self._layout())}: resume with the layout the run was saved with (the same "
                     "number of processes and the same shard= setting)"]
-        return state_problems(state, {k: getattr(self, k) for k in _SETTINGS}, [k.name for k in self.knobs],
-                              start.model, start.optimizer, start.scheduler)
+        settings = {k: getattr(self, k) for k in _SETTINGS}
+        problems = state_problems(state, settings, [k.name for k in self.knobs], start.model, start.optimizer,
+                                  start.scheduler)
+        built = state.get("built")
+        if problems or not isinstance(built, dict) or state.get("decided"):  # states saved before: unchecked
+            return problems
+        if built.get("probe") is not None and self._built["probe"] is None:  # not read yet: read it now
+            self._built["probe"] = probe_record(self._probe)
+        odd = differences(built, self._built)
+        return [f"the saved run was built otherwise: {'; '.join(odd)}. Build hpx.Forks as the saved run was "
+                "to resume it (to change a setting on purpose, resume first, then change it in every fork "
+                "with forks.each(...))"] if odd else []
 
     def _check_aligned(self, when: str) -> None:
         """Under torch.distributed, before a decision, ``converge()`` or a load: every rank is at the

@@ -7,6 +7,7 @@ import copy
 import io
 import logging
 import math
+import re
 import threading
 import warnings
 
@@ -1259,3 +1260,48 @@ def test_the_reliability_doc_holds_the_non_finite_table_naming_these_tests():
     assert all(callable(globals().get(test)) for *_, test in reliability.FORKS_RUN_ROWS)
     doc = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
     assert "\n".join(reliability.FORKS_RUN_SECTION) in doc
+
+
+def _built(lr=0.01, wd=0.01, p=0.2, schedule="lambda", probe=PROBE):
+    model = _net(p=p)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    if schedule == "lambda":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1 - t / 40)
+    elif schedule == "lambda2":
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.01 + 0 * t)
+    else:
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=schedule)
+    return model, hpx.Forks(model, opt, total_steps=20, schedule=sched, probe=probe)
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"lr": 0.02}, "the schedule: saved"),  # the optimizer's lr is the schedule's to write: its base_lrs
+    ({"wd": 0.1}, "the optimizer's settings: saved"),
+    ({"p": 0.5}, "the dropout rates: saved [0.2], this run [0.5]"),
+    ({"schedule": "lambda2"}, "the schedule: saved"),
+    ({"probe": [(X[:64], Y[:64])]}, "the probe's data: saved"),
+], ids=["lr", "weight-decay", "dropout", "lambda-function", "probe"])
+def test_a_resume_into_a_run_built_otherwise_is_refused_naming_the_difference(change, words, tmp_path):
+    """Each of these loaded silently: the saved optimizer state won over another lr or weight decay,
+    the new dropout rate or LambdaLR function applied to the old run, another probe scored it."""
+    _, forks = _built()
+    for b in BATCHES[:5]:
+        forks.step(_loss, b)
+    hpx.save_checkpoint(tmp_path, forks)
+    model, other = _built(**change)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(hpx.ConfigError, match=re.escape(words) + r".*Build hpx.Forks as the saved run was"):
+        hpx.load_checkpoint(tmp_path, other)
+    assert other.step_count == 0 and all(torch.equal(a, b) for a, b in zip(before.values(),
+                                                                            model.state_dict().values()))
+    _, same = _built()
+    assert hpx.load_checkpoint(tmp_path, same) == 5  # built alike: resumes
+
+
+def test_a_resume_into_a_onecycle_of_another_length_is_refused(tmp_path):
+    _, forks = _built(schedule=40)
+    forks.step(_loss, BATCHES[0])
+    hpx.save_checkpoint(tmp_path, forks)
+    _, other = _built(schedule=80)
+    with pytest.raises(hpx.ConfigError, match=r"the schedule: saved .*'total_steps': 40"):
+        hpx.load_checkpoint(tmp_path, other)
