@@ -13,10 +13,11 @@ from typing import Any
 import torch
 
 from hpx import _checks
-from hpx._forks import _device, _Fork, _rng_get, _rng_set, _unreached
+from hpx._fork_ranks import _APART
+from hpx._forks import _device, _Fork, _rng_get, _rng_set, _unreached, paired_gain
 from hpx._step import _split
 from hpx.backends.base import Collective
-from hpx.errors import ConfigError
+from hpx.errors import ConfigError, ConsistencyError
 from hpx.signals import LossFn, _all_leaves, _leaves
 
 log = logging.getLogger("hpx")
@@ -228,3 +229,40 @@ def _average_buffers(model: torch.nn.Module, collective: Collective, skip: set[i
         collective.all_reduce_sum_(bufs)
         for b in bufs:
             b.div_(collective.world_size)
+
+
+class _Scoring:
+    """The probe's scores of forks, for :class:`hpx.Forks` (a mixin: it reads the search's probe,
+    loss and collective)."""
+
+    _forks: Any
+    _probe: Any
+    _probe_fn: Any
+    _outside: bool
+    _shared: Any
+    _apart: Any
+    _probe_units: int
+    collective: Any
+
+    def _probe_losses(self, forks: list[_Fork], units: bool, first: bool = False) -> list[list[torch.Tensor]]:
+        """Each fork's probe loss per batch (a scalar) or per example (``units``): see
+        :func:`probe_losses`. Your run's buffers are left as they are when a framework
+        trains it (its own data-parallel wrapper keeps them)."""
+        assert self._probe_fn is not None
+        averaged = [f for f in forks if not (self._outside and f is self._forks[0])]
+        return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged, first,
+                            skip={id(t) for _, t, _ in self._shared.buffers})
+
+    def _scores(self, forks: list[_Fork], first: bool = False) -> list[float]:
+        """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;
+        ``inf`` when it is not finite (``nan`` stays on the ``first`` pass, which checks the loss)."""
+        if self._apart is not None and bool(self._apart):  # a decision's host read: not per step
+            raise ConsistencyError(_APART)
+        return [mean_score(parts, first) for parts in self._probe_losses(forks, units=False, first=first)]
+
+    def _gain(self, a: _Fork, b: _Fork) -> float:
+        """How many standard errors ``a`` scores below ``b`` on the probe, example by example."""
+        pa, pb = self._probe_losses([a, b], units=True)
+        la, lb = torch.cat([p.reshape(-1) for p in pa]), torch.cat([p.reshape(-1) for p in pb])
+        self._probe_units = len(la)  # for the log line: what the test had to go on
+        return paired_gain(la, lb)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -137,3 +139,23 @@ def _device(engine: Any) -> torch.device:
     if acc is not None:
         return acc.device
     return next((p.device for p in engine.model.parameters()), torch.device("cpu"))
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.random.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        state["numpy"] = np.random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.random.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np = sys.modules.get("numpy")
+    if np is not None and "numpy" in state:
+        np.random.set_state(state["numpy"])

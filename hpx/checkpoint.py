@@ -35,8 +35,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -63,14 +61,16 @@ from hpx._loading import (
     _load_extras,
     _processes,
     _read,
+    _rng_state,
     _saved_extra_problems,
+    _set_rng_state,
     _step_problems,
     _together,
 )
+from hpx._save_checks import _unsound_forks
 from hpx.engine import Engine
 from hpx.errors import ConfigError, NonFiniteError
 from hpx.forks import Forks
-from hpx.history import _fork_label
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -192,50 +192,6 @@ def _unsound(engine: Engine | Forks) -> list[int]:
     except NonFiniteError:
         return list(range(engine.n_replicas))
     return (~sound).nonzero().reshape(-1).tolist()
-
-
-def _unsound_forks(forks: Forks) -> list[str]:
-    """The non-finite forks and annealed copies (their labels: lr multiple and knobs) when the save
-    must be skipped, else ``[]``; the same on every rank (a host read per fork and one gather: a
-    save, not a step). Skipped: your run's trainable weights or optimizer state are non-finite, or,
-    once your run is lost (non-finite at a cut, kept only for the end's comparison, no longer
-    trained), every other fork's are (nothing finite is left to go on from). A challenger or a copy
-    that blew up while your run is finite is saved as it is: the search drops it at the next cut
-    (or your run beats it at the end), and a resume does the same; skipping for it would leave the
-    run unsaved until then, to its end after the last cut."""
-    everyone = [*forks._forks, *forks._clones]
-    device = _device(forks)
-    flags = torch.stack([_finite_state(f.model, f.optimizer).to(device) for f in everyone]).to(torch.float32)
-    finite = (_processes(forks).all_gather(flags).reshape(-1, len(everyone)) > 0).all(0).tolist()
-    start = forks._forks[0]
-    others = finite[1:len(forks._forks)]
-    if not start.lost and finite[0]:
-        return []
-    if start.lost and any(others):  # a finite challenger goes on
-        return []
-    labels = []
-    for i, f in enumerate(everyone):
-        if finite[i]:
-            continue
-        label = _fork_label(f.setting(), forks._bases)
-        labels.append(f"your run ({label}{', lost at a cut' if f.lost else ''})" if i == 0
-                      else f"the annealed copy of {label}" if f.ramp is not None else f"the fork at {label}")
-    return labels
-
-
-@torch.no_grad()
-def _finite_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """Whether this process's part of the trainable parameters and of the optimizer's floating state
-    is all finite (a 0-dim bool tensor, read by the caller after the ranks' gather)."""
-    from hpx.averaging import local
-
-    tensors = [local(p) for p in model.parameters() if p.requires_grad]
-    tensors += [local(v) for st in optimizer.state.values() for v in st.values()
-                if torch.is_tensor(v) and v.is_floating_point()]
-    if not tensors:
-        return torch.ones((), dtype=torch.bool)
-    device = tensors[0].device
-    return torch.stack([torch.isfinite(t).all().to(device) for t in tensors]).all()
 
 
 def load_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *,
@@ -635,23 +591,3 @@ def _agree(engine: Engine, steps: list[int]) -> int | None:
         log.warning("step %d is not complete on every rank (a save was interrupted): resuming from "
                     "step %d, the newest that all ranks have", newest_anywhere, max(common))
     return max(common) if common else None
-
-
-def _rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.random.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        state["numpy"] = np.random.get_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.random.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    np = sys.modules.get("numpy")
-    if np is not None and "numpy" in state:
-        np.random.set_state(state["numpy"])

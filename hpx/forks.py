@@ -39,7 +39,6 @@ averaged before a fork is scored; rank 0's decisions are broadcast.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -52,16 +51,15 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hpx import _checks
-from hpx._fork_built import differences, dropout_record, optimizer_record, probe_record, schedule_record
-from hpx._fork_probe import _layout, first_checked, mean_score, probe_losses, probes_alike, ranks_start_alike
+from hpx._fork_built import dropout_record, optimizer_record, probe_record, schedule_record
+from hpx._fork_faults import _Faults
+from hpx._fork_probe import _layout, _Scoring, first_checked, probes_alike, ranks_start_alike
+from hpx._fork_ranks import mean_over_ranks
 from hpx._fork_shard import _Sharder, is_dtensor
 from hpx._fork_share import _Shared
+from hpx._fork_state import _State
 from hpx._forks import (
-    _APART,
-    _FORMAT,
     _LOST,
-    _MET,
-    _SETTINGS,
     _device,
     _Fork,
     _forward_backward,
@@ -70,21 +68,14 @@ from hpx._forks import (
     _stepped_apart,
     _unstepped,
     bind_scalers,
-    check_steps_aligned,
     common_draws,
     knob_values,
     knobs_problems,
-    mean_over_ranks,
     model_params,
-    paired_gain,
-    state_problems,
-    type_name,
 )
-from hpx.averaging import local
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
-from hpx.errors import ConfigError, ConsistencyError, NonFiniteError
-from hpx.history import _fork_label
+from hpx.errors import ConfigError
 from hpx.knobs.base import Knob
 from hpx.replica import Replica
 from hpx.signals import LossFn
@@ -105,7 +96,7 @@ CONFIDENCE = 2.0
 
 
 
-class Forks:
+class Forks(_Scoring, _Faults, _State):
     """A learning-rate search that trains whole runs at several multiples of your learning rate
     and keeps yours unless another is better with confidence (see the module's docstring).
 
@@ -395,56 +386,6 @@ class Forks:
             self._fresh = False
         return trained
 
-    def _stash_losses(self) -> None:
-        """The step's non-finite flags, one per fork trained, put where the next step reads them: on
-        a GPU copied to pinned host memory without waiting (an event says when they have landed)."""
-        held, self._losses_bad = self._losses_bad, None
-        if held is None:
-            return
-        forks, flags = held
-        event = None
-        if flags.device.type == "cuda":
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
-            host.copy_(flags, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            flags = host
-        self._pending = (self.step_count + 1, forks, flags, event)
-
-    def _read_losses(self) -> None:
-        """At the next step's start, the last step's flags, once they have landed (no wait): a fork
-        whose loss was non-finite is dropped as lost (no longer trained, never kept by a cut or the
-        end); your run too, kept for the end's comparison as a run lost at a cut is. Every fork at
-        once is the batch's or the loss's fault: :class:`~hpx.errors.NonFiniteError`, naming the step."""
-        if self._pending is None:
-            return
-        step, forks, flags, event = self._pending
-        if event is not None and not event.query():
-            return  # still on its way: the next step reads it
-        self._pending = None
-        bad = [f for f, b in zip(forks, flags.tolist()) if b and not f.lost]
-        if not bad:
-            return
-        if len(bad) == len(forks) and not any(f.lost for f in self._forks):
-            raise NonFiniteError(f"at step {step} every fork's loss was non-finite "
-                                 f"({[f.setting() for f in forks]}): every fork saw that step's batch, so "
-                                 "the batch or the loss holds a NaN or inf; the forks' weights since are not "
-                                 "finite, and hpx.save_checkpoint skips a non-finite run, so your last "
-                                 "checkpoint is before it: resume from it, skip or mend that batch")
-        for f in bad:
-            f.lost = True
-            who = "your run" if f is self._forks[0] else (
-                f"the annealed copy of {f.factor:g}x" if f.ramp is not None else f"the fork at {f.factor:g}x")
-            kept = "; kept for the end's comparison" if f is self._forks[0] else ""
-            log.warning("hpx.Forks: %s had a non-finite loss at step %d: dropped as lost (no longer "
-                        "trained%s)", who, step, kept)
-        for i, c in zip(self._parents, self._clones):  # a lost fork's annealed copy says nothing
-            c.lost = c.lost or self._forks[i].lost
-        if all(f.lost for f in self._forks):  # one after the other: nothing is left to train
-            raise NonFiniteError(f"at step {step} every fork's weights or loss are non-finite "
-                                 f"({[f.setting() for f in self._forks]}): lower the learning rate, or check "
-                                 "the data and the loss for NaN/inf")
-
     def _trained(self) -> list[_Fork]:
         """The forks hpx trains: all but a lost run of yours (and yours when a framework trains it,
         ``_outside``), and the annealed copies in flight."""
@@ -454,7 +395,7 @@ class Forks:
 
     @torch.no_grad()
     def _reduce(self, trained: list[_Fork]) -> None:
-        """Every fork's gradient <- its mean over the ranks (see :func:`hpx._forks.mean_over_ranks`);
+        """Every fork's gradient <- its mean over the ranks (see :func:`hpx._fork_ranks.mean_over_ranks`);
         a parameter some ranks' losses reached and others' did not is named at the next decision."""
         if self.collective.world_size > 1 and self._sharder is None:  # FSDP reduced them in the backward
             apart, met = mean_over_ranks(trained, self.collective)
@@ -569,32 +510,6 @@ class Forks:
         self._adopt(best)
         self._notify(rec)
 
-    def _check_probe_loss(self, mine: float) -> None:
-        """Your run's probe loss is non-finite while its trainable weights are finite: an error in the
-        probe's loss (a log of 0, a division by zero), not a lost run, which would hand the run to a
-        challenger; raised on every rank before the decision (a host read at a decision)."""
-        if self._agreed(math.isfinite(mine)) or self._forks[0].lost:  # rank 0's reading: one path for all
-            return
-        bad = torch.zeros((), dtype=torch.float64)
-        for p in self._forks[0].model.parameters():
-            if p.requires_grad:
-                bad += float(not bool(torch.isfinite(local(p)).all()))
-        if self.collective.world_size > 1:  # a sharded run: every rank's part
-            bad = bad.to(_device(self._forks[0].model))
-            self.collective.all_reduce_sum_([bad])
-        if float(bad) == 0:
-            raise NonFiniteError(f"at step {self.step_count} the probe's loss_fn gave your run a non-finite "
-                                 "loss while its weights are finite: the probe's loss is at fault, not your "
-                                 "run (a log of 0, a division by zero, a NaN in the probe batches); fix "
-                                 "loss_fn or the probe and resume from your last checkpoint. Nothing was "
-                                 "decided")
-
-    def _raise_if_all_lost(self, scores: list[float]) -> None:
-        if self._agreed(not any(math.isfinite(s) for s in scores)):
-            raise NonFiniteError(f"at step {self.step_count} every fork's weights or probe loss are "
-                                 f"non-finite ({[f.setting() for f in self._forks]}): lower the "
-                                 "learning rate, or check the data and the probe for NaN/inf")
-
     def _adopt(self, i: int) -> None:
         start = self._forks[0]
         if i != 0:
@@ -609,58 +524,7 @@ class Forks:
             return decision
         return self.collective.broadcast_object(decision, 0)
 
-    def _record(self, phase: str, scores: list[float], kept: list[int],
-                gain: float = math.nan) -> SyncRecord:
-        factors = [f.factor for f in self._forks]
-        lrs = [[g["lr"] * f.factor for g in f.optimizer.param_groups] for f in self._forks]
-        bases = self._forks[kept[0]].setting() if phase == "end" else {"lr": 1.0, **self._bases}
-        values = {"lr": factors, **{k.name: [f.values[k.name] for f in self._forks] for k in self.knobs}}
-        rec = SyncRecord(step=self.step_count, bases=bases,
-                         values=values, scores=[s if math.isfinite(s) else math.nan for s in scores],
-                         phase=phase, searched=True, wall=time.perf_counter() - self._t0,
-                         lr=[next((v for v in row if v), row[0]) for row in lrs], lr_factor="lr",
-                         metrics=None if math.isnan(gain) else {"gain": gain})
-        self.history.append(rec)
-        kept_m = ", ".join(_fork_label(self._forks[i].setting(), self._bases) for i in kept)
-        why = "" if math.isnan(gain) else (f" (the challenger's gain: {gain:.2f} standard errors over "
-                                           f"{self._probe_units} probe examples)")
-        if 0 < gain < self.confidence:  # the test kept your run: how much more probe would have told
-            why += (f"; a probe about {(self.confidence / gain) ** 2:.3g}x as large would tell a difference "
-                    "this size")
-        names = [_fork_label(f.setting(), self._bases) for f in self._forks]
-        if self.collective.rank == 0:  # one line per decision, not one per rank
-            log.info("forks at step %d (%s): %s scored %s; kept %s%s", self.step_count, phase, names,
-                     [round(s, 4) for s in scores], kept_m, why)
-        return rec
-
-    def _notify(self, rec: SyncRecord) -> None:
-        for callback in self._on_sync:
-            callback(rec)
-
     # --- the probe ---------------------------------------------------------------------------
-
-    def _probe_losses(self, forks: list[_Fork], units: bool, first: bool = False) -> list[list[torch.Tensor]]:
-        """Each fork's probe loss per batch (a scalar) or per example (``units``): see
-        :func:`hpx._forks.probe_losses`. Your run's buffers are left as they are when a framework
-        trains it (its own data-parallel wrapper keeps them)."""
-        assert self._probe_fn is not None
-        averaged = [f for f in forks if not (self._outside and f is self._forks[0])]
-        return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged, first,
-                            skip={id(t) for _, t, _ in self._shared.buffers})
-
-    def _scores(self, forks: list[_Fork], first: bool = False) -> list[float]:
-        """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;
-        ``inf`` when it is not finite (``nan`` stays on the ``first`` pass, which checks the loss)."""
-        if self._apart is not None and bool(self._apart):  # a decision's host read: not per step
-            raise ConsistencyError(_APART)
-        return [mean_score(parts, first) for parts in self._probe_losses(forks, units=False, first=first)]
-
-    def _gain(self, a: _Fork, b: _Fork) -> float:
-        """How many standard errors ``a`` scores below ``b`` on the probe, example by example."""
-        pa, pb = self._probe_losses([a, b], units=True)
-        la, lb = torch.cat([p.reshape(-1) for p in pa]), torch.cat([p.reshape(-1) for p in pb])
-        self._probe_units = len(la)  # for the log line: what the test had to go on
-        return paired_gain(la, lb)
 
     # --- inspection and the end ---------------------------------------------------------------
 
@@ -706,100 +570,6 @@ class Forks:
             self._clones, self._parents, self._decide_at = [], [], None
             self._finish()
         return self.model
-
-    def state_dict(self) -> dict[str, Any]:
-        """Every fork's model, optimizer and scheduler, the annealed copies in
-        flight, and the search's own state (it holds references to live tensors, as
-        ``Module.state_dict``: save it with ``torch.save``). The global random stream is not in
-        it: save it beside it to resume bit for bit."""
-        start = self._forks[0]
-        return {"format": _FORMAT, **{k: getattr(self, k) for k in _SETTINGS},
-                "optimizer_type": type_name(start.optimizer), "scheduler_type": type_name(start.scheduler),
-                "step": self.step_count, "fork_steps": self.fork_steps, "factor": self.factor,
-                "values": dict(self.values),
-                "knobs": [k.name for k in self.knobs], "decided": self.decided,
-                "initial": self._initial, "decide_at": self._decide_at, "built": self._built,
-                "shared_buffers": [n for n, _, _ in self._shared.buffers],
-                "layout": self._layout(),
-                "forks": [f.state() for f in self._forks],
-                "clones": [c.state(p) for c, p in zip(self._clones, self._parents)],
-                "history": [dataclasses.asdict(r) for r in self.history]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` into a ``Forks`` built with the same settings on the same
-        model, optimizer and schedule (checked first: a refused state changes nothing)."""
-        ConfigError.check(self._load_problems(state))
-        start = self._forks[0]
-        start.load(state["forks"][0], self.knobs)
-        if state.get("decided"):
-            self._shared.params = []
-        memo: dict[int, Any] = {id(p): p for _, p in self._shared.params}  # frozen: held once
-        forks = [start] + [start.copied(i, shared=memo, sharder=self._sharder)
-                           for i in range(1, len(state["forks"]))]
-        for f, s in zip(forks[1:], state["forks"][1:]):
-            f.load(s, self.knobs)
-        clones = [start.copied(len(forks) + i, shared=memo, sharder=self._sharder)
-                  for i in range(len(state["clones"]))]
-        for c, s in zip(clones, state["clones"]):
-            c.load(s, self.knobs)
-        mine = {n: b for n, b in start.model.named_buffers()}
-        self._shared.buffers = [(n, mine[n], 0) for n in state.get("shared_buffers", []) if n in mine]
-        for f in [*forks[1:], *clones]:  # the buffers the saved run held once are held once again
-            self._shared.adopt(f.model)
-        self._shared.refresh()
-        self._forks, self._clones = forks, clones
-        self._parents = [int(s["parent"]) for s in state["clones"]]
-        self.step_count, self.factor = int(state["step"]), float(state["factor"])
-        self.fork_steps = int(state["fork_steps"])
-        self.values = {k: float(v) for k, v in state["values"].items()}
-        self.decided = bool(state["decided"])
-        self._initial = state["initial"]
-        self._decide_at = None if state["decide_at"] is None else (int(state["decide_at"][0]),
-                                                                   int(state["decide_at"][1]))
-        self.history = [SyncRecord(**r) for r in state["history"]]
-        self._fresh = True
-
-    def _layout(self) -> dict[str, Any]:
-        """How the forks are laid over the ranks: a checkpoint holds one rank's part of that layout."""
-        return {"processes": self.collective.world_size, "sharded": self._sharder is not None}
-
-    def _load_problems(self, state: Any) -> list[str]:
-        """Why :meth:`load_state_dict` would refuse ``state`` (``hpx.load_checkpoint`` asks every
-        rank before any loads)."""
-        start = self._forks[0]
-        saved = state.get("layout") if isinstance(state, dict) else None
-        if saved is not None and saved != self._layout():
-            def shown(lay: dict[str, Any]) -> str:
-                how = ("each fork sharded over them (shard=...)" if lay.get("sharded")
-                       else "each holding every fork")
-                return f"{lay.get('processes')} process(es), {how}"
-            return [f"the saved run's forks were laid out over {shown(saved)}; this one's over "
-                    f"{shown(self._layout())}: resume with the layout the run was saved with (the same "
-                    "number of processes and the same shard= setting)"]
-        settings = {k: getattr(self, k) for k in _SETTINGS}
-        problems = state_problems(state, settings, [k.name for k in self.knobs], start.model, start.optimizer,
-                                  start.scheduler)
-        built = state.get("built")
-        if problems or not isinstance(built, dict) or state.get("decided"):  # states saved before: unchecked
-            return problems
-        if built.get("probe") is not None and self._built["probe"] is None:  # not read yet: read it now
-            self._built["probe"] = probe_record(self._probe)
-        odd = differences(built, self._built)
-        return [f"the saved run was built otherwise: {'; '.join(odd)}. Build hpx.Forks as the saved run was "
-                "to resume it (to change a setting on purpose, resume first, then change it in every fork "
-                "with forks.each(...))"] if odd else []
-
-    def _check_aligned(self, when: str) -> None:
-        """Under torch.distributed, before a decision, ``converge()`` or a load: every rank is at the
-        same step, or every rank raises :class:`ConsistencyError` within one collective instead of
-        hanging (:func:`hpx._forks.check_steps_aligned`; sharded forks' collectives are FSDP's and
-        are not checked)."""
-        if self.collective.world_size == 1 or self._sharder is not None:
-            return
-        if self._crossed is not None and bool(self._crossed):  # a host read, at a decision
-            raise ConsistencyError(f"a training step of this rank met another rank's decision, converge() "
-                                   f"or load_checkpoint (found at step {self.step_count}): {_MET}")
-        check_steps_aligned(self._trained(), self.collective, self.step_count, when)
 
     def __repr__(self) -> str:
         shown = [round(m, 3) for m in self.factors]
