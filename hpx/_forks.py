@@ -8,7 +8,7 @@ import itertools
 import math
 import random
 import sys
-from collections.abc import Callable, Iterable, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from numbers import Integral, Real
 from typing import Any
 
@@ -357,6 +357,12 @@ def _stepped_apart(forks: list[_Fork]) -> list[str]:
         if mine is not None and mine != theirs:
             return [f"your scheduler is at step {mine}, the forks' copies of it at {theirs}: hpx.Forks steps "
                     "every fork's scheduler itself; remove scheduler.step() from your loop"]
+    if start.model.training != other.model.training:
+        mode = {True: "train", False: "eval"}
+        return [f"your model is in {mode[start.model.training]} mode where the forks' copies of it are in "
+                f"{mode[other.model.training]} mode (model.eval() left on after an evaluation?): call "
+                "model.train() before the next step, or set every fork's mode with forks.each(lambda "
+                "replica: replica.model.eval())"]
     mine_g, theirs_g = start.optimizer.param_groups, other.optimizer.param_groups
     what = (f"{len(mine_g)} parameter groups where the copies have {len(theirs_g)}"
             if len(mine_g) != len(theirs_g) else
@@ -482,6 +488,9 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
                             "at once; register it on the model (or wrap the model and the loss module in one "
                             "nn.Module) and build the optimizer on model.parameters()")
         problems += _checks.closure_problems(optimizer)
+        problems += [f"parameter group {i}'s lr is {g['lr']!r}: give a finite learning rate > 0 (each fork "
+                     "trains at a multiple of it)" for i, g in enumerate(optimizer.param_groups)
+                     if isinstance(g.get("lr"), float) and not (math.isfinite(g["lr"]) and g["lr"] >= 0)]
     if isinstance(model, torch.nn.parallel.DistributedDataParallel) or any(
             type(p).__name__ == "DTensor" for p in model.parameters()):
         problems.append("Forks averages each fork's gradients over the ranks itself: pass the bare model, "
@@ -505,9 +514,10 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
                         f"{_checks.shown(probe)})")
     elif isinstance(probe, Sized) and len(probe) == 0:
         problems.append("probe is empty: give at least one batch of held-out data")
-    elif not isinstance(probe, Sized):
+    elif not isinstance(probe, Sized) or isinstance(probe, Iterator):
         problems.append(f"probe is a {type(probe).__name__}, which may not iterate twice: give a list of "
-                        "batches, or a DataLoader (it is read at every cut)")
+                        "batches, or the DataLoader itself rather than iter(loader) (it is read at every "
+                        "cut)")
     else:
         problems += _one_batch_problems(probe, "probe", "probe=[{batch}]")
     if loss_fn is not None and not callable(loss_fn):
@@ -544,6 +554,17 @@ def state_problems(state: Any, settings: dict[str, Any], knobs: list[str], model
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
         return [f"not a Forks state (format {got!r}, expected {_FORMAT!r}): give what Forks.state_dict() "
                 "returned"]
+    forks, clones = state.get("forks"), state.get("clones")
+    keys = {"model", "optimizer", "factor"}
+    if not (isinstance(forks, list) and isinstance(clones, list) and forks
+            and all(isinstance(f, dict) and keys <= f.keys() for f in forks + clones)):
+        return ["the state has no forks, or forks without a model, optimizer or multiple ('forks' and "
+                "'clones' lists of Forks.state_dict()): give what Forks.state_dict() returned, unchanged"]
+    most = len(settings["multiples"]) + 2 * len(knobs)
+    if len(forks) > most or any(not isinstance(c.get("parent"), int) or not 0 <= c["parent"] < len(forks)
+                                for c in clones):
+        return [f"the state holds {len(forks)} forks (at most {most} here) or an annealed copy whose parent "
+                "is not one of them: give what Forks.state_dict() returned, unchanged"]
     odd = [f"{k}={state.get(k)!r} (this run has {v!r})" for k, v in settings.items()
            if _plain(state.get(k)) != _plain(v)]
     if odd:

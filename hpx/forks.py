@@ -272,6 +272,7 @@ class Forks(_Scoring, _Faults, _State):
         self._crossed: torch.Tensor | None = None  # on device: a step that met another rank's decision
         self._streams: list[bool | None] = [None]  # Python's and NumPy's replayed too (common_draws)
         self._warned = False
+        self._scaled: bool | None = None  # whether the last backward was given a GradScaler
         # non-finite losses, read a step late without waiting on the device (one process): _read_losses
         self._losses_bad: tuple[list[_Fork], torch.Tensor] | None = None  # this step's, on device
         self._pending: tuple[int, list[_Fork], torch.Tensor, Any] | None = None  # the last step's
@@ -296,6 +297,7 @@ class Forks(_Scoring, _Faults, _State):
         trained)."""
         _checks.check(_checks.loss_fn_problems(loss_fn, batch) + _checks.scale_problems(scale, scaler)
                       + _checks.batch_problems(batch, None))
+        self._scaled = scaler is not None  # optimizer_step must be given it too
         bound = self._probe_fn is None  # the probe's loss defaults to this one, once a step succeeds
         if bound:
             self._probe_fn = loss_fn
@@ -334,6 +336,9 @@ class Forks(_Scoring, _Faults, _State):
             raise ConfigError(["optimizer_step() found no gradients: call forks.backward(loss_fn, batch) "
                                "first (once per micro-batch)"])
         problems = _checks.scaler_problems(scaler)
+        if self._scaled is not None and self._scaled != (scaler is not None):
+            problems.append("backward() and optimizer_step() must be given the same GradScaler (one had "
+                            "scaler=, the other not): every fork would step on gradients still scaled")
         if max_grad_norm is not None and not (isinstance(max_grad_norm, Real)
                                               and not isinstance(max_grad_norm, bool) and max_grad_norm > 0):
             problems.append(f"max_grad_norm must be a number > 0 or None (got {max_grad_norm!r})")
@@ -353,7 +358,6 @@ class Forks(_Scoring, _Faults, _State):
             self._step_one(f, None if scaler is None else f.scaler)
         for f in trained if scaler is not None else ():
             f.scaler.update()
-        ConfigError.check(_stepped_apart(self._forks))
         if self.step_count == 0:  # the buffers the first step left unwritten are held once from now on
             self._shared.share_buffers([f.model for f in self._forks])
         self.fork_steps += len(trained) + self._outside  # a framework's step of your run counts too
@@ -364,8 +368,8 @@ class Forks(_Scoring, _Faults, _State):
     def _open(self) -> list[_Fork]:
         """The forks a backward trains, their gradients cleared at an optimizer step's first
         micro-batch (and before the first step, the initial weights' probe loss)."""
-        if self._fresh:  # what is held once is still shared safely (host reads only)
-            ConfigError.check(self._shared.problems())
+        if self._fresh:  # your objects changed alone, what is held once still shared (host reads only)
+            ConfigError.check(self._shared.problems() or _stepped_apart(self._forks))
             self._read_losses()
         if self._initial is None and not self.decided:
             self._initial = self._scores([self._forks[0]], first=True)[0]
@@ -544,6 +548,9 @@ class Forks(_Scoring, _Faults, _State):
         your own objects alone reaches your run only, and is refused at the next step. A frozen
         parameter ``fn`` unfreezes on your run is first given to every other fork as a copy of its
         own (frozen, it was held once for all), so each fork trains its own."""
+        if not callable(fn):
+            raise ConfigError([f"each() takes a function replica -> None, e.g. forks.each(lambda replica: "
+                               f"replica.model.eval()) (got {_checks.shown(fn)})"])
         forks = [*self._forks, *self._clones]
         fn(forks[0].replica)
         if self._shared.params:
@@ -564,6 +571,11 @@ class Forks(_Scoring, _Faults, _State):
         """Decide now if the run's end has not decided yet (a loop shorter than ``total_steps``),
         and return your model, holding the winner. Under torch.distributed every rank calls it."""
         self._check_aligned("converge()")  # a rank that stepped more or fewer times raises here
+        if not self.decided and 0 < self.step_count < self.total_steps:
+            log.warning("hpx.Forks: converge() at step %d of total_steps=%d: the end is decided now, on runs "
+                        "%d%% of the way through their schedules; give total_steps the number of steps the "
+                        "loop takes", self.step_count, self.total_steps,
+                        100 * self.step_count // self.total_steps)
         if not self.decided and self._probe_fn is None:  # no step yet, no loss_fn=: nothing to compare
             self._adopt(0)
         elif not self.decided:

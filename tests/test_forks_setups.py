@@ -236,3 +236,92 @@ def test_dropout_forks_from_a_rate_of_0_keep_the_side_the_bound_allows():
     model = _net(p=0.0)
     forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE, knobs=[hpx.Dropout(spread=0.2)])
     assert [f.values["dropout"] for f in forks._forks][-1:] == [0.2] and len(forks.factors) == 6
+
+
+def _state_bits(forks: hpx.Forks) -> list[torch.Tensor]:
+    return [t.clone() for f in [*forks._forks, *forks._clones] for t in f.model.state_dict().values()]
+
+
+def test_misuse_at_construction_is_refused_naming_the_value_and_the_fix():
+    model = _net(p=0.0)
+    with pytest.raises(hpx.ConfigError, match=r"parameter group 0's lr is nan: give a finite learning rate"):
+        hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=float("nan")), total_steps=STEPS, probe=PROBE)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*PROBE[0]), batch_size=16)
+    with pytest.raises(hpx.ConfigError, match=r"rather than iter\(loader\)"):
+        hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=iter(loader))
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=loader)  # the loader itself is fine
+    with pytest.raises(hpx.ConfigError, match=r"each\(\) takes a function replica -> None"):
+        forks.each(5)
+
+
+def test_a_hand_made_state_is_refused_before_anything_changes():
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE)
+    forks.step(_loss, BATCHES[0])
+    good = forks.state_dict()
+    before = _state_bits(forks)
+    for bad, words in [({k: v for k, v in good.items() if k != "forks"}, "the state has no forks"),
+                       ({**good, "forks": good["forks"] * 2}, "holds 10 forks \\(at most 5 here\\)"),
+                       ({**good, "clones": [{**good["forks"][1], "parent": 7}]}, "a parent")]:
+        with pytest.raises(hpx.ConfigError, match=words if "parent" not in words else "whose parent is not"):
+            forks.load_state_dict(bad)
+    assert forks.step_count == 1 and all(torch.equal(a, b) for a, b in zip(before, _state_bits(forks)))
+
+
+def test_your_model_left_in_eval_mode_is_refused_and_the_run_goes_on_as_plain_training():
+    model = _net(p=0.2)
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE, confidence=1e9)
+    for i, b in enumerate(BATCHES[:STEPS]):
+        if i == 5:
+            model.eval()  # an evaluation that forgot model.train()
+            before = _state_bits(forks)
+            with pytest.raises(hpx.ConfigError, match="your model is in eval mode where the forks' copies"):
+                forks.step(_loss, b)
+            assert forks.step_count == 5
+            assert all(torch.equal(a, c) for a, c in zip(before, _state_bits(forks)))
+            model.train()
+        forks.step(_loss, b)
+    ref = _net(p=0.2)
+    _plain_loop(ref, _sgd(ref))
+    assert forks.factor == 1.0 and _same(model, ref)
+
+
+def test_a_scaler_given_to_backward_alone_is_refused_before_any_fork_steps():
+    scaler = torch.amp.GradScaler("cpu")
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, _sgd(model, 0.03), total_steps=STEPS, probe=PROBE)
+    forks.backward(_loss, BATCHES[0], scaler=scaler)
+    before = _state_bits(forks)
+    with pytest.raises(hpx.ConfigError, match="must be given the same GradScaler"):
+        forks.optimizer_step()
+    assert forks.step_count == 0 and all(torch.equal(a, b) for a, b in zip(before, _state_bits(forks)))
+    forks.optimizer_step(scaler=scaler)
+    for b in BATCHES[1:STEPS]:
+        forks.backward(_loss, b, scaler=scaler)
+        forks.optimizer_step(scaler=scaler)
+    assert _same(model, _scaled_forks(0.03, torch.amp.GradScaler("cpu"))[0])
+
+
+def test_an_lr_set_by_hand_on_your_optimizer_under_a_lambdalr_is_refused_at_the_next_step():
+    """The README says so; the LambdaLR wrote the lr over it at its step, so it reached your run for one
+    step and was never refused."""
+    model = _net(p=0.0)
+    opt = _sgd(model)
+    forks = hpx.Forks(model, opt, total_steps=STEPS, probe=PROBE, schedule=lambda t: 1 - t / (2 * STEPS))
+    for b in BATCHES[:3]:
+        forks.step(_loss, b)
+    opt.param_groups[0]["lr"] = 0.5
+    before = _state_bits(forks)
+    with pytest.raises(hpx.ConfigError, match=r"parameter group 0's lr 0\.5 where the copies have"):
+        forks.step(_loss, BATCHES[3])
+    assert forks.step_count == 3 and all(torch.equal(a, b) for a, b in zip(before, _state_bits(forks)))
+
+
+def test_converge_before_total_steps_says_the_end_came_early(caplog):
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE)
+    for b in BATCHES[:5]:
+        forks.step(_loss, b)
+    with caplog.at_level("WARNING", logger="hpx"):
+        forks.converge()
+    assert f"converge() at step 5 of total_steps={STEPS}" in caplog.text and forks.decided
