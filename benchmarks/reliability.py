@@ -771,7 +771,7 @@ def _table(rows: list[Row], wall: float, command: str) -> str:
               "same error, on every rank. Its cost is one gradient-sized all-reduce per sync. Under "
               "DDP the gradient all-reduces are DDP's own: uneven inputs there are DDP's to handle "
               "(its `join()`).", ""]
-    lines += FORKS_CHECKPOINT_SECTION + FORKS_RUN_SECTION
+    lines += FORKS_CHECKPOINT_SECTION + FORKS_RUN_SECTION + FORKS_MISUSE_SECTION
     return "\n".join(lines)
 
 
@@ -882,5 +882,36 @@ FORKS_RUN_SECTION = [
     "| fault injected | where | what happens | test |",
     "| --- | --- | --- | --- |",
     *[f"| {fault} | {where} | {when} | `{test}` |" for fault, where, when, test in FORKS_RUN_ROWS],
+    "",
+]
+
+
+FORKS_MISUSE_ROWS = [  # (misuse, what happens, the test in tests/test_forks_setups.py that checks it)
+    ("a NaN lr, `iter(loader)` as the probe, `each(5)`", "refused when called, naming the value and the fix",
+     "test_misuse_at_construction_is_refused_naming_the_value_and_the_fix"),
+    ("a hand-made state: no forks, too many, an annealed copy with a bad parent",
+     "refused before anything changes (it raised a bare KeyError or loaded)",
+     "test_a_hand_made_state_is_refused_before_anything_changes"),
+    ("your model left in eval mode after an evaluation", "refused at the next step's start, nothing changed; "
+     "after model.train() the run is plain training (the forks trained in train mode, yours in eval)",
+     "test_your_model_left_in_eval_mode_is_refused_and_the_run_goes_on_as_plain_training"),
+    ("a GradScaler given to backward() but not optimizer_step()", "refused before any fork steps (every fork "
+     "stepped on gradients still scaled)",
+     "test_a_scaler_given_to_backward_alone_is_refused_before_any_fork_steps"),
+    ("an lr set by hand on your optimizer under a LambdaLR", "refused at the next step's start (it reached "
+     "your run for one step, never refused)",
+     "test_an_lr_set_by_hand_on_your_optimizer_under_a_lambdalr_is_refused_at_the_next_step"),
+    ("converge() before total_steps", "the end is decided, with a warning that it came early (never "
+     "mentioned)", "test_converge_before_total_steps_says_the_end_came_early"),
+]
+FORKS_MISUSE_SECTION = [
+    "## hpx.Forks misuse",
+    "",
+    "Checked by the tests named (`pytest tests/test_forks_setups.py`, not rerun by this benchmark); each "
+    "refused call leaves the forks as they were.",
+    "",
+    "| misuse | what happens | test |",
+    "| --- | --- | --- |",
+    *[f"| {what} | {happens} | `{test}` |" for what, happens, test in FORKS_MISUSE_ROWS],
     "",
 ]

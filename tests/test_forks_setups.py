@@ -325,3 +325,13 @@ def test_converge_before_total_steps_says_the_end_came_early(caplog):
     with caplog.at_level("WARNING", logger="hpx"):
         forks.converge()
     assert f"converge() at step 5 of total_steps={STEPS}" in caplog.text and forks.decided
+
+
+def test_the_reliability_doc_holds_the_misuse_table_naming_these_tests():
+    from pathlib import Path
+
+    from benchmarks import reliability
+
+    assert all(callable(globals().get(test)) for *_, test in reliability.FORKS_MISUSE_ROWS)
+    doc = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
+    assert "\n".join(reliability.FORKS_MISUSE_SECTION) in doc
