@@ -40,8 +40,19 @@ def committed(marker: str) -> str:
 
 
 def needs(*stores: Path) -> None:
-    """Skip unless every one of ``stores`` is committed (naming the command that makes each)."""
+    """Skip unless every one of ``stores`` is committed (naming the command that makes each), and
+    each method's store holds every cell of the suite (a report refuses a store short of a task)."""
     missing = [f"{_store.shown(p)} (`{COMMANDS.get(p, '?')}`)" for p in stores if not p.exists()]
+    grids = suite._load(suite.GRIDS)
+    for method in suite.REPORTED:
+        path = suite.store_path(method)
+        if path in stores and path.exists():
+            store = suite._load(path)
+            short = [t for t in TASKS if any(suite.Run(t, method, lr, s).key not in store
+                                             for lr in suite.cells(t, grids).values() for s in suite.SEEDS)]
+            if short:
+                missing.append(f"{_store.shown(path)} holds no runs of {len(short)} tasks (`{COMMANDS[path]} "
+                               f"--tasks {' '.join(short)}`)")
     if missing:
         pytest.skip("not committed yet: " + ", ".join(missing))
 
