@@ -1,11 +1,12 @@
 """Stored results that a report command reads, refused when they are not there.
 
-A report command writes a section of the docs from results another command stored under
-``runs/`` (gitignored: a fresh clone has none). Written from a store that is missing, or that
-lacks what the section reads, the section's figures would become "no runs". So a report command
-loads its stores through :func:`load` (or calls :func:`refuse` on what is lacking) before it
-writes anything: the command exits non-zero, names the store and the command that produces it,
-and leaves the docs as they are.
+A report command writes a section of the docs from results another command stored: under
+``runs/`` (gitignored: a fresh clone has none), or in ``benchmarks/lr/stored/`` (committed) for
+the learning-rate suite's sections, where a store is missing until its command has run. Written
+from a store that is missing, or that lacks what the section reads, the section's figures would
+become "no runs". So a report command loads its stores through :func:`load` (or calls
+:func:`refuse` on what is lacking) before it writes anything: the command exits non-zero, names
+the store and the command that produces it, and leaves the docs as they are.
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ def lr_stores(tmp_path, monkeypatch):
     doc = tmp_path / "benchmarks.md"
     shutil.copy(DOCS, doc)
     monkeypatch.setattr(suite, "RUNS", runs)
+    monkeypatch.setattr(suite, "STORED", runs)  # the committed stores' folder too
     monkeypatch.setattr(suite, "DOC", doc)
     monkeypatch.setattr(bar, "COST", runs / "cost.json")
     monkeypatch.setattr(bar, "COEXPLORE", runs / "coexplore.json")

@@ -6,9 +6,15 @@
     python -m benchmarks.lr same --method A B      # do two methods' stored runs agree, cell by cell?
     python -m benchmarks.lr eval --quick           # a smoke run of every task (few steps)
 
-Every command resumes from what it already has (``--fresh`` starts over). The grid of a task is
-extended by half-decades until its best learning rate has two grid points on each side, so
-that 10x below and 10x above the best are grid points too (plain training at every start).
+Every command resumes from what it already has (``--fresh`` starts over). The stores the docs'
+sections are written from (``Forks`` and ``autolr`` runs here; the cost, co-exploration and noise
+commands' too) are committed in ``benchmarks/lr/stored/`` beside the grids, so a clone rebuilds
+those sections (``tests/test_stored_sections.py``); every other store goes to ``runs/lr/``
+(gitignored).
+
+The grid of a task is extended by half-decades until its best learning rate has two grid points
+on each side, so that 10x below and 10x above the best are grid points too (plain training at
+every start).
 Held-out tasks (``benchmarks.lr.tasks.HELD_OUT``) are reported in a table of their own.
 """
 
@@ -32,7 +38,9 @@ from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
 ROOT = Path(__file__).resolve().parents[2]
 GRIDS = Path(__file__).with_name("grids.json")
-RUNS = ROOT / "runs" / "lr"
+RUNS = ROOT / "runs" / "lr"  # exploratory stores (gitignored)
+STORED = Path(__file__).with_name("stored")  # the stores the docs' sections read (committed)
+REPORTED = ("Forks", "autolr")  # the methods whose suite runs docs/benchmarks.md reports
 DOC = ROOT / "docs" / "benchmarks.md"
 SEEDS = (0, 1)
 STARTS = {"0.1x": 0.1, "1x": 1.0, "10x": 10.0}
@@ -44,8 +52,10 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def store_path(method: str, quick: bool = False) -> Path:
-    """Where ``eval --method method`` keeps its runs."""
-    return RUNS / f"{method}{'-quick' if quick else ''}.json"
+    """Where ``eval --method method`` keeps its runs: committed (:data:`STORED`) for a method the
+    docs report, ``runs/lr`` otherwise and for a quick run."""
+    folder = STORED if method in REPORTED and not quick else RUNS
+    return folder / f"{method}{'-quick' if quick else ''}.json"
 
 
 def suite_runs(method: str, tasks: list[str], grids: dict[str, Any], steps: int | None = None
@@ -68,8 +78,17 @@ def suite_runs(method: str, tasks: list[str], grids: dict[str, Any], steps: int 
 def _save(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=0, sort_keys=True, default=_refuse))
+    tmp.write_text(compact(data))
     os.replace(tmp, path)
+
+
+def compact(data: dict[str, Any]) -> str:
+    """``data`` as JSON, one compact line per key (sorted): small, and a rerun's diff is by run."""
+    def line(key: str) -> str:
+        value = json.dumps(data[key], separators=(",", ":"), sort_keys=True, default=_refuse)
+        return f"{json.dumps(key)}:{value}"
+
+    return "{\n" + ",\n".join(line(k) for k in sorted(data)) + "\n}\n"
 
 
 def _refuse(x: Any) -> Any:
@@ -436,19 +455,32 @@ written). `autolr` is `hpx.autolr` (the `Stretch` search), the recommended searc
 """
 
 
-def write_docs(methods: list[str], grids: dict[str, Any], tables: list[str]) -> None:
-    """Put the suite's section into docs/benchmarks.md (between its markers): one table per method."""
+SUITE_TITLE = "The learning-rate suite: a search against plain training and the grid"
+
+
+def machine() -> str:
+    """This machine, as the suite's section names the one its runs were made on."""
     import platform
 
     import torch
 
-    machine = (f"{platform.machine()}, {os.cpu_count()} logical cores; Python {platform.python_version()}, "
-               f"torch {torch.__version__}")
+    return (f"{platform.machine()}, {os.cpu_count()} logical cores; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def suite_section(methods: list[str], grids: dict[str, Any], tables: list[str],
+                  on: str | None = None) -> str:
+    """The suite's section (its body, below the title): one table per method; ``on``: the machine
+    the runs were made on (default: this one)."""
     n_held = sum(t in HELD_OUT for t in TASKS)
     shown = "\n\n".join(f"### `{m}`\n\n{md}" for m, md in zip(methods, tables))
-    body = _INTRO.format(methods=" ".join(methods), machine=machine, grids=grids_markdown(grids),
+    return _INTRO.format(methods=" ".join(methods), machine=on or machine(), grids=grids_markdown(grids),
                          tables=shown, n_tasks=len(TASKS), n_held=n_held, n_design=len(TASKS) - n_held)
-    write_section("lr-suite", "The learning-rate suite: a search against plain training and the grid", body)
+
+
+def write_docs(methods: list[str], grids: dict[str, Any], tables: list[str]) -> None:
+    """Put the suite's section into docs/benchmarks.md (between its markers): one table per method."""
+    write_section("lr-suite", SUITE_TITLE, suite_section(methods, grids, tables))
 
 
 def write_section(marker: str, title: str, body: str, after: str | None = None) -> None:
@@ -513,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(a.method) != 2:
             p.error("same compares two methods: --method A B")
         x, y = a.method
-        both, differ = agreement(x, y, _load(RUNS / f"{x}.json"), _load(RUNS / f"{y}.json"))
+        both, differ = agreement(x, y, _load(store_path(x)), _load(store_path(y)))
         print(f"{x} and {y}: {both} cells run by both; the same lr and validation loss in "
               f"{both - len(differ)}" + "".join(f"\n  differ: {k}" for k in differ))
         return 0

@@ -5,14 +5,16 @@
 Nothing is trained here. Each row reads what a command of the suite stored:
 
 * no harm, recovery, the lr it ends at, lost runs: the method's suite runs
-  (``python -m benchmarks.lr eval --method M``, ``runs/lr/<M>.json``), as the suite's report reads them;
-* co-exploration (``Forks`` only, the README's route for a second knob): ``runs/lr/coexplore.json``
-  (``python -m benchmarks.lr.coexplore``);
+  (``python -m benchmarks.lr eval --method M``, ``benchmarks/lr/stored/<M>.json``), as the
+  suite's report reads them;
+* co-exploration (``Forks`` only, the README's route for a second knob):
+  ``benchmarks/lr/stored/coexplore.json`` (``python -m benchmarks.lr.coexplore``);
 * cost: the optimizer steps over plain training's that ``python -m benchmarks.lr.cost`` stores
-  (``runs/lr/cost.json``: ``fork_steps / step_count`` at the defaults), its seconds beside them;
+  (``benchmarks/lr/stored/cost.json``: ``fork_steps / step_count`` at the defaults), its seconds
+  beside them;
 * the momentum cycle: the tests that check it step by step against torch (named in the row);
-* the lines below the table: ``runs/lr/noise.json`` (``python -m benchmarks.lr.noise``) and the
-  probe losses the committed grids carry.
+* the lines below the table: ``benchmarks/lr/stored/noise.json`` (``python -m
+  benchmarks.lr.noise``) and the probe losses the committed grids carry.
 
 Printed, a row whose runs are missing says which command makes them. The docs section
 (``--method Forks``) is written only from stores that hold what it reads: where one is missing,
@@ -101,6 +103,7 @@ def _coexplore_row(held: bool) -> str:
                  f"knob value better than plain on {bad_ok} of {bad}", best_ok == at_best and bad_ok == bad)
 
 
+TITLE = "The learning-rate search against its bar (`hpx.Forks`)"  # of its docs section
 COST_BAR = 2.0  # the method's optimizer steps over plain training's, at its defaults
 
 
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     md = markdown(a.method)
     print(md)
     if write:
-        write_section("lr-bar", "The learning-rate search against its bar (`hpx.Forks`)", md)
+        write_section("lr-bar", TITLE, md)
     return 0
 
 

@@ -4,9 +4,9 @@ plain training's, side by side in one process.
     python -m benchmarks.lr.cost [--tasks ...] [--repeats 2]   # prints the table; writes docs
     python -m benchmarks.lr.cost --method halving-end ...    # suite methods or prototypes instead
 
-With the default methods it keeps each task's seconds in ``runs/lr/cost.json`` (a task measured
-again replaces its row), where ``python -m benchmarks.lr.bar`` reads them, and once that store
-holds every task of the suite it writes the section of docs/benchmarks.md from it.
+With the default methods it keeps each task's seconds in ``benchmarks/lr/stored/cost.json``
+(committed; a task measured again replaces its row), where ``python -m benchmarks.lr.bar`` reads
+them, and once that store holds every task of the suite it writes the section of docs/benchmarks.md from it.
 
 For every task, plain training and each method (exactly as the suite runs them, at the grid's
 best lr, seed 0) train on the same batches, taking turns, ``repeats`` times each, on one thread;
@@ -23,16 +23,17 @@ import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from benchmarks.lr.__main__ import GRIDS, RUNS, _load, _save, best_of_grid
+from benchmarks.lr.__main__ import GRIDS, STORED, _load, _save, best_of_grid
 from benchmarks.lr.prototypes import LOOPS
 from benchmarks.lr.run import METHODS, plain_train
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
 ROOT = Path(__file__).resolve().parents[2]
-COST = RUNS / "cost.json"  # the whole suite's seconds per task (and Forks' steps), for benchmarks.lr.bar
+COST = STORED / "cost.json"  # the whole suite's seconds per task (and Forks' steps), for benchmarks.lr.bar
 
 
 _STEPS: dict[tuple[str, str], float] = {}  # (task, method) -> optimizer steps over plain training's
@@ -86,12 +87,13 @@ def _shown(method: str) -> str:
 
 def markdown(rows: list[tuple[str, float, list[float]]], repeats: int,
              methods: Sequence[str] = ("autolr",),
-             steps: dict[tuple[str, str], float] | None = None) -> str:
+             steps: dict[tuple[str, str], float] | None = None, on: str | None = None) -> str:
     """The section's markdown; ``steps``: each (task, method)'s optimizer steps over plain
-    training's (default: those of the last measurement)."""
+    training's (default: those of the last measurement); ``on``: the machine it was measured on
+    (default: this one)."""
     steps = _STEPS if steps is None else steps
-    machine = (f"{platform.machine()}, {os.cpu_count()} logical cores; Python {platform.python_version()}, "
-               f"torch {torch.__version__}")
+    machine = on or (f"{platform.machine()}, {os.cpu_count()} logical cores; Python "
+                     f"{platform.python_version()}, torch {torch.__version__}")
     names = ", ".join(f"`{_shown(m)}`" for m in methods)
     lines = ["<!-- lr-cost -->", "## The search's cost on the learning-rate suite", "",
              f"Produced by `python -m benchmarks.lr.cost --repeats {repeats} --method {' '.join(methods)}` "
@@ -124,6 +126,15 @@ def markdown(rows: list[tuple[str, float, list[float]]], repeats: int,
     return "\n".join(lines)
 
 
+def section(store: dict[str, Any], repeats: int, methods: Sequence[str] = ("Forks", "autolr"),
+            on: str | None = None) -> str:
+    """The docs section (markers included) from the stored rows of every task of the suite."""
+    stored_steps = {(name, m): store[name][f"{m} steps"] for name in TASKS for m in methods
+                    if f"{m} steps" in store[name]}
+    return markdown([(name, store[name]["plain"], [store[name][m] for m in methods]) for name in TASKS],
+                    repeats, methods, stored_steps, on)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.lr.cost", description=__doc__.split("\n")[0])
     p.add_argument("--tasks", nargs="*", default=list(TASKS))
@@ -154,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"docs/benchmarks.md not written: no cost measured yet for {', '.join(missing)}")
             return 0
-        stored_steps = {(name, m): store[name][f"{m} steps"] for name in TASKS for m in a.method
-                        if f"{m} steps" in store[name]}
-        md = markdown([(name, store[name]["plain"], [store[name][m] for m in a.method]) for name in TASKS],
-                      a.repeats, a.method, stored_steps)
+        md = section(store, a.repeats, a.method)
         doc = ROOT / "docs" / "benchmarks.md"
         text = doc.read_text()
         start, end = "<!-- lr-cost -->", "<!-- /lr-cost -->"

@@ -2,7 +2,10 @@
 nudged by a part in a million (``lr * (1 + k * 1e-6)``, k = 1, 2, 3), 2 seeds each, read the way
 the suite reads a method that ends at the grid's best lr by another path.
 
-    python -m benchmarks.lr.noise [--tasks ...] [--jobs 2]   # prints the table (runs/lr/noise.json)
+    python -m benchmarks.lr.noise [--tasks ...] [--jobs 2]   # prints the table
+
+Its runs go to ``benchmarks/lr/stored/noise.json`` (committed), where ``python -m benchmarks.lr.bar``
+reads them.
 
 A nudge that small changes no learning rate a search could tell apart; it changes the rounding
 of every step, and on some tasks a run's end depends on the rounding chaotically (see
@@ -19,14 +22,14 @@ import os
 import statistics
 from typing import Any
 
-from benchmarks.lr.__main__ import GRIDS, RUNS, SEEDS, _load, _mean, _run_all, best_of_grid
+from benchmarks.lr.__main__ import GRIDS, SEEDS, STORED, _load, _mean, _run_all, best_of_grid
 from benchmarks.lr.run import Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS
 
 __all__ = ["NUDGES", "main", "rows"]
 
 NUDGES = (1, 2, 3)  # parts in a million added to the grid's best lr
-PATH = RUNS / "noise.json"
+PATH = STORED / "noise.json"
 
 
 def _nudged(task: str, grids: dict[str, Any], k: int, seed: int) -> Run:

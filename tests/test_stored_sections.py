@@ -1,0 +1,104 @@
+"""The sections of docs/benchmarks.md written from the learning-rate suite's committed stores
+(``benchmarks/lr/stored/``) are rebuilt here from those stores by the functions their report
+commands write them with, and must equal the committed text byte for byte: a figure in the docs
+is one a clone re-derives (issue 41).
+
+Nothing here trains: each section is read from stored runs only. A section whose stores are not
+all committed yet is skipped, naming the store and the command that makes it; each method's
+table of the suite's section is checked on its own as soon as that method's store is committed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sklearn")
+pytest.importorskip("transformers")
+pytest.importorskip("pydoc_data.topics")
+
+from benchmarks import _store
+from benchmarks.lr import __main__ as suite
+from benchmarks.lr import bar, cost, noise
+from benchmarks.lr.tasks import TASKS
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+COMMANDS = {suite.store_path("Forks"): "python -m benchmarks.lr eval --method Forks",
+            suite.store_path("autolr"): "python -m benchmarks.lr eval --method autolr",
+            cost.COST: "python -m benchmarks.lr.cost", bar.COEXPLORE: "python -m benchmarks.lr.coexplore",
+            noise.PATH: "python -m benchmarks.lr.noise"}
+
+
+def committed(marker: str) -> str:
+    """The text of docs/benchmarks.md between ``<!-- marker -->`` and ``<!-- /marker -->``."""
+    text = DOC.read_text()
+    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    return text[text.index(start) + len(start):text.index(end)]
+
+
+def needs(*stores: Path) -> None:
+    """Skip unless every one of ``stores`` is committed (naming the command that makes each), and
+    each method's store holds every cell of the suite (a report refuses a store short of a task)."""
+    missing = [f"{_store.shown(p)} (`{COMMANDS.get(p, '?')}`)" for p in stores if not p.exists()]
+    grids = suite._load(suite.GRIDS)
+    for method in suite.REPORTED:
+        path = suite.store_path(method)
+        if path in stores and path.exists():
+            store = suite._load(path)
+            short = [t for t in TASKS if any(suite.Run(t, method, lr, s).key not in store
+                                             for lr in suite.cells(t, grids).values() for s in suite.SEEDS)]
+            if short:
+                missing.append(f"{_store.shown(path)} holds no runs of {len(short)} tasks (`{COMMANDS[path]} "
+                               f"--tasks {' '.join(short)}`)")
+    if missing:
+        pytest.skip("not committed yet: " + ", ".join(missing))
+
+
+def _suite_methods() -> list[str]:
+    """The methods the suite's section was reported with (its "Produced by" line)."""
+    command = re.search(r"`python -m benchmarks\.lr report --method ([^`]+)`", committed("lr-suite"))
+    return command.group(1).split()
+
+
+def _table(method: str) -> str:
+    """``method``'s table as ``python -m benchmarks.lr report`` writes it, from its committed store."""
+    store = suite._load(suite.store_path(method))
+    return suite.markdown(method, suite.table(method, list(TASKS), suite._load(suite.GRIDS), store))
+
+
+@pytest.mark.parametrize("method", suite.REPORTED)
+def test_each_methods_table_in_the_suites_section_is_its_committed_store_read(method):
+    needs(suite.store_path(method))
+    text = committed("lr-suite")
+    head = f"### `{method}`\n\n"
+    assert head in text, f"the suite's section shows no table of {method}"
+    shown = text[text.index(head) + len(head):]
+    nxt = shown.find("\n### `")
+    shown = shown if nxt < 0 else shown[:nxt + 1]
+    assert shown.rstrip("\n") == _table(method).rstrip("\n")
+
+
+def test_the_suites_section_is_its_committed_stores_read():
+    text = committed("lr-suite")
+    methods = _suite_methods()
+    needs(*(suite.store_path(m) for m in methods))
+    on = re.search(r"two runs at a time, on (.+?)\.\n", text).group(1)  # the machine the runs were made on
+    body = suite.suite_section(methods, suite._load(suite.GRIDS), [_table(m) for m in methods], on)
+    assert text == f"\n## {suite.SUITE_TITLE}\n\n{body}"
+
+
+def test_the_bars_section_is_its_committed_stores_read():
+    needs(suite.store_path("Forks"), bar.COEXPLORE, cost.COST, noise.PATH)
+    assert committed("lr-bar") == f"\n## {bar.TITLE}\n\n{bar.markdown('Forks')}"
+
+
+def test_the_cost_section_is_its_committed_store_read():
+    needs(cost.COST)
+    text = committed("lr-cost")
+    m = re.search(r"`python -m benchmarks\.lr\.cost --repeats (\d+) --method ([^`]+)` on (.+?), one thread\.",
+                  text)
+    md = cost.section(json.loads(cost.COST.read_text()), int(m.group(1)), m.group(2).split(), m.group(3))
+    assert text == md[len("<!-- lr-cost -->"):-len("<!-- /lr-cost -->")]
