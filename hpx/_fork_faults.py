@@ -40,8 +40,11 @@ class _Faults:
             return
         forks, flags = held
         event = None
-        if flags.device.type == "cuda":
-            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        if flags.device.type == "cuda":  # pinned buffers kept by size: no page-locked allocation per step
+            kept: dict[int, torch.Tensor] = self.__dict__.setdefault("_pinned", {})
+            host = kept.get(flags.numel())
+            if host is None:
+                host = kept[flags.numel()] = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
             host.copy_(flags, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
