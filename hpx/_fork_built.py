@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from hpx.signals import _leaves
+
 _VOLATILE = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial",
              "verbose", "lr_lambdas", "_schedulers"}
 
@@ -84,7 +86,7 @@ def probe_record(probe: Iterable[Any]) -> list[list[float]]:
     probe (order does not matter: a shuffled loader gives the same record)."""
     totals: list[list[float]] = []
     for batch in probe:
-        leaves = [t for t in _leaves(batch) if t.dtype != torch.bool and t.numel()]
+        leaves = [t for _, t in _leaves(batch, "batch") if t.dtype != torch.bool and t.numel()]
         for i, t in enumerate(leaves):
             d = t.detach().double()
             row = [float(t.shape[0]) if t.dim() else 1.0, float(d.sum()), float((d * d).sum())]
@@ -93,16 +95,6 @@ def probe_record(probe: Iterable[Any]) -> list[list[float]]:
             else:
                 totals.append(row)
     return totals
-
-
-def _leaves(batch: Any) -> list[torch.Tensor]:
-    if torch.is_tensor(batch):
-        return [batch]
-    if isinstance(batch, dict):
-        return [t for k in sorted(batch, key=str) for t in _leaves(batch[k])]
-    if isinstance(batch, (list, tuple)):
-        return [t for b in batch for t in _leaves(b)]
-    return []
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:

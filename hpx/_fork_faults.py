@@ -91,12 +91,11 @@ class _Faults:
         challenger; raised on every rank before the decision (a host read at a decision)."""
         if self._agreed(math.isfinite(mine)) or self._forks[0].lost:  # rank 0's reading: one path for all
             return
-        bad = torch.zeros((), dtype=torch.float64)
-        for p in self._forks[0].model.parameters():
-            if p.requires_grad:
-                bad += float(not bool(torch.isfinite(local(p)).all()))
+        params = [local(p) for p in self._forks[0].model.parameters() if p.requires_grad]
+        dev = _device(self._forks[0].model)
+        bad = torch.stack([~torch.isfinite(p).all() for p in params]).sum().double().reshape(1) if params \
+            else torch.zeros(1, dtype=torch.float64, device=dev)
         if self.collective.world_size > 1:  # a sharded run: every rank's part
-            bad = bad.to(_device(self._forks[0].model))
             self.collective.all_reduce_sum_([bad])
         if float(bad) == 0:
             raise NonFiniteError(f"at step {self.step_count} the probe's loss_fn gave your run a non-finite "
