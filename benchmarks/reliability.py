@@ -805,6 +805,20 @@ FORKS_CHECKPOINT_ROWS = [  # (fault injected, where, survived when, the test tha
      "EROFS)", "in process", "the load succeeds; the file is left, logged at debug level",
      "test_a_read_only_directory_with_a_stale_temp_file_loads, "
      "test_a_stale_temp_file_that_cannot_be_deleted_is_left_and_the_load_goes_on"),
+    ("a step folder of another run (same settings, other weights) copied into the run's directory as its "
+     "newest step", "in process", "the load is refused naming both runs' steps, nothing changed (it was "
+     "resumed silently); with the folder moved out, the run's own newest step loads bit for bit",
+     "test_a_step_folder_copied_in_from_another_run_is_refused_and_nothing_changes"),
+    ("a new run saving where another run saved (without resuming from it); two runs saving into one "
+     "directory", "in process", "refused before a write, naming the steps and the fix (`load_checkpoint` "
+     "to resume, or a directory of its own); a run that resumed saves under the resumed run's identity",
+     "test_a_new_run_saving_where_another_run_saved_is_refused_and_writes_nothing"),
+    ("an object that saved one run loading another run's checkpoint", "in process",
+     "refused naming both runs, nothing changed; its own run's step loads",
+     "test_an_object_that_saved_one_run_refuses_to_load_another"),
+    ("another run's damaged steps in the directory", "in process", "no run's evidence: a run restarted "
+     "fresh over them saves, and its own step is resumed beside them",
+     "test_another_runs_damaged_steps_do_not_block_a_fresh_run_or_its_resume"),
 ]
 FORKS_CHECKPOINT_SECTION = [
     "## hpx.Forks checkpoints under faults",
@@ -812,7 +826,8 @@ FORKS_CHECKPOINT_SECTION = [
     "Checked by the tests named (real files, tiny `hpx.Forks` runs; `pytest "
     "tests/test_forks_checkpoint_faults.py`, not rerun by this benchmark). A save at which your run (or, "
     "once it is lost at a cut, every fork) is non-finite writes nothing, and pruning never deletes the "
-    "newest intact step.",
+    "newest intact step. Every process's files carry its run's identity (given at its first save, taken "
+    "over by a resume): another run's intact steps in the directory are refused, at a save and at a load.",
     "",
     "| fault injected | where | survived when | test |",
     "| --- | --- | --- | --- |",

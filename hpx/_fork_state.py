@@ -110,6 +110,9 @@ class _State:
         self._decide_at = None if state["decide_at"] is None else (int(state["decide_at"][0]),
                                                                    int(state["decide_at"][1]))
         self.history = [SyncRecord(**r) for r in state["history"]]
+        saved = state.get("built")
+        if isinstance(saved, dict) and saved.get("probe") is not None and self._built["probe"] is None:
+            self._built["probe"] = saved["probe"]  # the probe was read and found the same (_load_problems)
         self._fresh = True
 
     def _layout(self) -> dict[str, Any]:
@@ -135,9 +138,10 @@ class _State:
         built = state.get("built")
         if problems or not isinstance(built, dict) or state.get("decided"):  # states saved before: unchecked
             return problems
-        if built.get("probe") is not None and self._built["probe"] is None:  # not read yet: read it now
-            self._built["probe"] = probe_record(self._probe)
-        odd = differences(built, self._built)
+        mine = dict(self._built)
+        if built.get("probe") is not None and mine["probe"] is None:  # not read yet: read it (kept at _open)
+            mine["probe"] = probe_record(self._probe)
+        odd = differences(built, mine)
         return [f"the saved run was built otherwise: {'; '.join(odd)}. Build hpx.Forks as the saved run was "
                 "to resume it (to change a setting on purpose, resume first, then change it in every fork "
                 "with forks.each(...))"] if odd else []

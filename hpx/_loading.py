@@ -101,11 +101,13 @@ def _act(engine: Any, what: str, *actions: Callable[[], Any]) -> None:
         raise e from err
 
 
-def _together(engine: Any, problems: list[str], what: str, acted: bool = False) -> None:
+def _together(engine: Any, problems: list[str], what: str, acted: bool = False,
+              ending: str | None = None) -> None:
     """Raise :class:`~hpx.ConfigError` on every rank when any rank has ``problems`` (each rank's
     shown, by rank): a rank never goes on with a load that another refused. One gather when all
     is well; a broadcast per refusing rank otherwise. ``acted``: the problems arose while loading,
-    after every rank had accepted the checkpoint."""
+    after every rank had accepted the checkpoint; ``ending``: what the refusal left undone, said
+    instead of "nothing was loaded on any rank"."""
     procs = _processes(engine)
     if procs.world_size == 1:
         ConfigError.check(problems)
@@ -118,10 +120,14 @@ def _together(engine: Any, problems: list[str], what: str, acted: bool = False) 
     for r in bad:
         theirs = procs.broadcast_object(problems if procs.rank == r else None, r)
         out += [f"rank {r}: {p}" for p in theirs or ()]
-    out.append(f"{'loading' if acted else 'the checkpoint of'} {what} failed on rank(s) {bad}, so it "
-               f"raises on all {procs.world_size} ranks, that none resumes alone"
-               + (" (ranks that had loaded it hold its state: load again, or rebuild the engine)" if acted
-                  else "; nothing was loaded on any rank"))
+    if ending is not None:
+        out.append(f"{what} failed on rank(s) {bad}, so it raises on all {procs.world_size} ranks, that none "
+                   f"goes on alone; {ending}")
+    else:
+        out.append(f"{'loading' if acted else 'the checkpoint of'} {what} failed on rank(s) {bad}, so it "
+                   f"raises on all {procs.world_size} ranks, that none resumes alone"
+                   + (" (ranks that had loaded it hold its state: load again, or rebuild the engine)" if acted
+                      else "; nothing was loaded on any rank"))
     raise ConfigError(out)
 
 

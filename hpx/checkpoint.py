@@ -19,6 +19,9 @@ a ``GradScaler``, ...) and the random streams the trajectory depends on (torch's
 generator, which draws dropout masks, CUDA's, Python's ``random`` and NumPy's), so that
 the resumed run continues as the uninterrupted one would have, bit for bit on CPU.
 
+Every file's digest carries its run's identity (:mod:`hpx._identity`): another run's steps in the
+directory are refused at a save and at a load.
+
 Sharded replicas (:class:`hpx.backends.Mesh`, FSDP2): the models' and optimizers' shards and
 the search's starting point go through ``torch.distributed.checkpoint`` into
 ``step-.../sharded/``, written by every process together; each process's file then holds the
@@ -55,6 +58,7 @@ from hpx._files import (
     _sidecar,
     _write_atomic,
 )
+from hpx._identity import claim, load_problems, save_problems, taken_over
 from hpx._loading import (
     _act,
     _device,
@@ -127,6 +131,9 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
                         "before, the others only the new one. Give keep=2 or more")
     problems += _extra_problems(extra) + _directory_problems(Path(directory), "save_checkpoint")
     ConfigError.check(problems)
+    rank = _processes(engine).rank  # another run's steps there: refused on every rank before a write
+    _together(engine, save_problems(Path(directory), rank, engine, engine.step_count),
+              f"saving step {engine.step_count}", ending="nothing was saved on any rank")
     if isinstance(engine, Forks):
         blown = _unsound_forks(engine)
         if blown:
@@ -142,7 +149,6 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
                     "must not resume from them (the previous checkpoints are kept; the next sync resets "
                     "such replicas from the others, save after it)", engine.step_count, unsound)
         return None
-    rank = _processes(engine).rank
     state = {
         "format": _FORMAT,
         "step": engine.step_count,
@@ -171,7 +177,7 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
             os.fsync(f.fileno())
         digest = _digest(tmp)
         os.replace(tmp, path)
-        info = {"sha256": digest, "world_size": state["world_size"]}
+        info = {"sha256": digest, "world_size": state["world_size"], "run": claim(engine)}
         _write_atomic(_sidecar(path), json.dumps(info) + "\n")
         _fsync_dir(folder)
     finally:
@@ -331,10 +337,12 @@ def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: 
         problems += _step_problems(path, step, state)
         problems += [f"{path}: {p}" for p in engine._load_problems(state.get("engine"))]
         problems += _saved_extra_problems(path, state, extra) + _rng_problems(path, state, rng)
+        problems += load_problems(root, rank, engine, step)  # another run's step, or beside another's
     _together(engine, problems, f"step {step}")  # every rank learns a refusal before any acts
     _act(engine, f"step {step}", lambda: _load_extras(state, extra),
          lambda: engine.load_state_dict(state["engine"]),
          lambda: _set_rng_state(state["rng"]) if rng else None)
+    taken_over(engine, root, rank, step)  # its saves go on under the run's identity
     return step
 
 
@@ -365,8 +373,6 @@ def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
          lambda: engine.load_elastic([st["engine"] for st in states]),
          lambda: _set_rng_state(own["rng"]) if rng else None)
     return step
-
-
 
 
 def _sharded(engine: Engine) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import shutil
 
 import pytest
 import torch
@@ -342,3 +343,23 @@ def test_a_newest_step_missing_a_file_is_skipped_with_a_warning_naming_it(tmp_pa
     assert step == int(steps[-2].name[5:])
     assert any(f"{steps[-1].name} not complete and intact on every rank; resuming from step {step}"
                in r.getMessage() for r in caplog.records)
+
+
+def test_a_step_folder_of_another_engine_run_is_refused_and_a_new_run_cannot_save_over_its_steps(tmp_path):
+    """The run identity holds for the engine as for hpx.Forks: another run's step copied in is
+    refused at a load (it was resumed silently), and a run that did not resume cannot save beside
+    another run's steps; resuming first, it saves under the resumed run's identity."""
+    mine, theirs = tmp_path / "a", tmp_path / "b"
+    _train(_engine(), Counter(), 10, save_to=mine, keep=3)
+    _train(_engine(), Counter(), 15, save_to=theirs, keep=3)
+    shutil.copytree(theirs / "step-000000015", mine / "step-000000015")
+    dst = _engine()
+    before = _params(dst)
+    with pytest.raises(hpx.ConfigError, match=r"holds checkpoints of two runs.*step-000000015.*of another"):
+        hpx.load_checkpoint(mine, dst, extra={"sched": Counter()})
+    assert dst.step_count == 0 and all(torch.equal(a, b) for a, b in zip(before, _params(dst)))
+    with pytest.raises(hpx.ConfigError, match=r"which this run did not resume from"):
+        hpx.save_checkpoint(theirs, dst)
+    shutil.rmtree(mine / "step-000000015")
+    assert hpx.load_checkpoint(mine, dst, extra={"sched": Counter()}) == 10
+    assert hpx.save_checkpoint(mine, dst) is not None  # the resumed run's own directory

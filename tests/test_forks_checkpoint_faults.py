@@ -10,6 +10,7 @@ import errno
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -344,10 +345,99 @@ def test_a_nan_batch_at_step_21_of_60_leaves_the_finite_step_20_to_resume_from(t
     assert resumed.decided and all(torch.isfinite(p).all() for p in resumed.model.parameters())
 
 
+# --- item 3: a run's identity; another run's steps are refused ------------------------------
+
+
+def _saved_run(root: Path, seed: int, until: int, every: int = 4, keep: int = 5) -> hpx.Forks:
+    """A run of ``_sgd`` from the weights of ``seed``, saved every ``every`` steps into ``root``."""
+    forks = _sgd()
+    if seed:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed)
+            for p in forks.model.parameters():  # another run: other initial weights, same settings
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        forks = hpx.Forks(forks.model, torch.optim.SGD(forks.model.parameters(), lr=0.05), total_steps=40,
+                          probe=PROBE, multiples=(0.5, 1.0, 2.0), cuts=())
+    while forks.step_count < until:
+        _train(forks, forks.step_count + every)
+        hpx.save_checkpoint(root, forks, keep=keep)
+    return forks
+
+
+def _run_of(root: Path, step: int) -> str:
+    return files._sidecar_info(root / f"step-{step:09d}" / "rank-00000.pt")["run"]
+
+
+def test_a_step_folder_copied_in_from_another_run_is_refused_and_nothing_changes(tmp_path):
+    """Run A saved steps 4 and 8; run B (same settings, other weights) step 12, copied into A's
+    directory: it used to be resumed silently as A's newest step."""
+    mine, theirs = tmp_path / "a", tmp_path / "b"
+    a = _saved_run(mine, 0, 8)
+    _saved_run(theirs, 7, 12)
+    assert _run_of(mine, 4) == _run_of(mine, 8) != _run_of(theirs, 12)
+    shutil.copytree(theirs / "step-000000012", mine / "step-000000012")
+    fresh = _sgd()
+    before = _bits(fresh)
+    with pytest.raises(hpx.ConfigError, match=r"holds checkpoints of two runs.*step-000000012, the newest "
+                       r"complete one.*step-000000004, step-000000008 of another.*Nothing was loaded"):
+        hpx.load_checkpoint(mine, fresh)
+    assert _bits(fresh) == before and fresh.step_count == 0
+    shutil.rmtree(mine / "step-000000012")  # the fix the message names
+    assert hpx.load_checkpoint(mine, fresh) == 8 and _bits(fresh) == _bits(a)
+
+
+def test_a_new_run_saving_where_another_run_saved_is_refused_and_writes_nothing(tmp_path):
+    """A run that did not resume from the directory's steps would mix its saves with them (a crash
+    later resumes whichever is newest); refused before a write, naming the fix. Resuming first, the
+    run saves under the saved run's identity."""
+    _saved_run(tmp_path, 0, 8)
+    disk = _disk(tmp_path)
+    new = _sgd()
+    _train(new, 2)
+    with pytest.raises(hpx.ConfigError, match=r"holds checkpoints of another run \(step-000000004, "
+                       r"step-000000008, rank 0's files\), which this run did not resume from.*"
+                       r"hpx\.load_checkpoint.*a directory of its own.*Nothing was saved"):
+        hpx.save_checkpoint(tmp_path, new)
+    assert _disk(tmp_path) == disk
+    assert hpx.save_checkpoint(tmp_path / "own", new) is not None  # a directory of its own
+    resumed = _sgd()
+    assert hpx.load_checkpoint(tmp_path, resumed) == 8
+    _train(resumed, 12)
+    assert hpx.save_checkpoint(tmp_path, resumed) is not None
+    assert _run_of(tmp_path, 12) == _run_of(tmp_path, 8)
+    with pytest.raises(hpx.ConfigError, match=r"beside this run's.*two runs are saving into one directory"):
+        hpx.save_checkpoint(tmp_path / "own", resumed)  # the other way round: that directory is new's
+
+
+def test_an_object_that_saved_one_run_refuses_to_load_another(tmp_path):
+    a = _saved_run(tmp_path / "a", 0, 4)
+    _saved_run(tmp_path / "b", 7, 8)
+    before = _bits(a)
+    with pytest.raises(hpx.ConfigError, match=r"step-000000008 is a checkpoint of another run \(run "
+                       r"[0-9a-f]{16}\) than the one this object has saved or loaded \(run [0-9a-f]{16}\): "
+                       r"build a new hpx\.Forks"):
+        hpx.load_checkpoint(tmp_path / "b", a)
+    assert _bits(a) == before and a.step_count == 4
+    assert hpx.load_checkpoint(tmp_path / "a", a) == 4  # its own run's step loads
+
+
+def test_another_runs_damaged_steps_do_not_block_a_fresh_run_or_its_resume(tmp_path):
+    """Steps that cannot be loaded are no run's evidence: a run restarted fresh over them saves, and
+    its own step is resumed beside them."""
+    _saved_run(tmp_path, 0, 8)
+    for step in (4, 8):
+        _damage(tmp_path, step)
+    new = _sgd()
+    assert hpx.load_checkpoint(tmp_path, new) is None
+    _train(new, 2)
+    assert hpx.save_checkpoint(tmp_path, new) is not None
+    assert hpx.load_checkpoint(tmp_path, _sgd()) == 2
+
+
 def test_the_reliability_doc_names_these_tests_and_holds_their_table():
     from benchmarks import reliability
 
     named = [t.strip() for *_, tests in reliability.FORKS_CHECKPOINT_ROWS for t in tests.split(",")]
-    assert len(named) == 9 and all(callable(globals().get(n)) for n in named)
+    assert len(named) == 13 and all(callable(globals().get(n)) for n in named)
     doc = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
     assert "\n".join(reliability.FORKS_CHECKPOINT_SECTION) in doc
