@@ -918,6 +918,24 @@ FORKS_MISUSE_ROWS = [  # (misuse, what happens, the test in tests/test_forks_set
      "test_an_lr_set_by_hand_on_your_optimizer_under_a_lambdalr_is_refused_at_the_next_step"),
     ("converge() before total_steps", "the end is decided, with a warning that it came early (never "
      "mentioned)", "test_converge_before_total_steps_says_the_end_came_early"),
+    ("`each(fn)` whose fn raises on the second fork", "every step refused, naming the forks it ran on and "
+     "not, until `each` runs through (the forks stayed half-changed, unnoticed); then the run is as if it "
+     "had run once", "test_an_each_that_raises_part_way_refuses_every_step_until_it_runs_through"),
+    ("your own `optimizer.step()` between steps", "refused at the next step's start, nothing changed (your "
+     "run took extra steps, silently)",
+     "test_your_own_optimizer_step_between_steps_is_refused_at_the_next_step"),
+    ("a second Forks on a model another Forks is training", "refused naming the other and the fix (both "
+     "stepped your model); one built over an unstarted one takes the model over, and the old one's steps "
+     "are refused", "test_a_second_forks_on_a_model_in_training_is_refused_and_one_that_took_over_an_"
+     "unstarted_one_wins"),
+    ("a model on the meta device; `model.forward = torch.compile(model.forward)`", "refused at construction "
+     "naming the tensors or the module and the fix (an autocast error; a misleading loss_fn message)",
+     "test_a_model_that_cannot_be_forked_is_refused_naming_the_fix"),
+    ("`model.compile()`, the fix named above", "works: every fork's losses are the uncompiled run's",
+     "test_model_compile_is_plain_training_per_fork"),
+    ("a loss_fn that switches to your model object after step 1", "refused at that step, its gradients "
+     "cleared, nothing stepped (checked at step 1 only: it trained your run once per fork)",
+     "test_a_loss_fn_that_switches_to_your_model_object_after_step_1_is_refused"),
 ]
 FORKS_MISUSE_SECTION = [
     "## hpx.Forks misuse",

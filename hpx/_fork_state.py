@@ -114,6 +114,7 @@ class _State:
         if isinstance(saved, dict) and saved.get("probe") is not None and self._built["probe"] is None:
             self._built["probe"] = saved["probe"]  # the probe was read and found the same (_load_problems)
         self._fresh = True
+        self._outside_steps, self._half = 0, None  # a misuse before the load is undone by it
 
     def _layout(self) -> dict[str, Any]:
         """How the forks are laid over the ranks: a checkpoint holds one rank's part of that layout."""

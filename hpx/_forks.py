@@ -31,7 +31,8 @@ class _Fork:
     values of the other knobs it trains with and, for an annealed copy, its ramp ``(first step,
     length)``."""
 
-    __slots__ = ("_watched", "factor", "lost", "ramp", "replica", "scaled", "scaler", "scheduler", "values")
+    __slots__ = ("_mark", "_watched", "factor", "lost", "ramp", "replica", "scaled", "scaler", "scheduler",
+                 "values")
 
     def __init__(self, factor: float, replica: Replica, scheduler: LRScheduler | None,
                  ramp: tuple[int, int] | None = None, values: dict[str, float] | None = None) -> None:

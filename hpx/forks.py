@@ -53,6 +53,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from hpx import _checks
 from hpx._fork_built import dropout_record, optimizer_record, probe_record, schedule_record
 from hpx._fork_faults import _Faults
+from hpx._fork_misuse import _Guards, model_problems, reached
 from hpx._fork_probe import _layout, _Scoring, first_checked, probes_alike, ranks_start_alike
 from hpx._fork_ranks import mean_over_ranks
 from hpx._fork_shard import _Sharder, is_dtensor
@@ -96,7 +97,7 @@ CONFIDENCE = 2.0
 
 
 
-class Forks(_Scoring, _Faults, _State):
+class Forks(_Scoring, _Faults, _State, _Guards):
     """A learning-rate search that trains whole runs at several multiples of your learning rate
     and keeps yours unless another is better with confidence (see the module's docstring).
 
@@ -200,6 +201,7 @@ class Forks(_Scoring, _Faults, _State):
         problems = _settings_problems(model, optimizer, total_steps, schedule, probe, loss_fn, multiples,
                                       cuts, cool, confidence) + _checks.backend_problems(backend)
         problems += knobs_problems(knobs, loss_fn) + _checks.unknown_problems(unknown, Forks.__init__)
+        problems += model_problems(model)  # meta tensors, a forward every copy would share, another Forks's
         problems += [f"on_sync must be a function record -> None, or a list of them (got {on_sync!r})"
                      for _ in callbacks[:1] if not all(callable(c) for c in callbacks)]
         problems += [f"share must be True or False (got {_checks.shown(share)})" for _ in [0]
@@ -277,6 +279,7 @@ class Forks(_Scoring, _Faults, _State):
         self._losses_bad: tuple[list[_Fork], torch.Tensor] | None = None  # this step's, on device
         self._pending: tuple[int, list[_Fork], torch.Tensor, Any] | None = None  # the last step's
         self.history: list[SyncRecord] = []
+        self._watch(model, optimizer)  # one Forks per model; your optimizer's steps that hpx did not take
 
     # --- the training step ------------------------------------------------------------------
 
@@ -309,6 +312,8 @@ class Forks(_Scoring, _Faults, _State):
             before = _layout(batch) if self.step_count == 0 else None  # the first step checks loss_fn
             found = first_checked(lambda: common_draws(_device(self._forks[0].model), calls, self._streams),
                                   before, batch, trained, self._forks[0])
+            if before is None:  # past the first step: a loss_fn that switched to your model object
+                ConfigError.check(reached(trained, self._forks[0]))
         except BaseException:
             self._fresh = True  # a failed backward (an OOM you skip) leaves no gradient behind
             if bound:  # a refused first step binds nothing: the corrected loop's loss scores the probe
@@ -369,7 +374,7 @@ class Forks(_Scoring, _Faults, _State):
         """The forks a backward trains, their gradients cleared at an optimizer step's first
         micro-batch (and before the first step, the initial weights' probe loss)."""
         if self._fresh:  # your objects changed alone, what is held once still shared (host reads only)
-            ConfigError.check(self._shared.problems() or _stepped_apart(self._forks))
+            ConfigError.check(self._misuse() or self._shared.problems() or _stepped_apart(self._forks))
             self._read_losses()
         if self._initial is None and not self.decided:
             self._initial = self._scores([self._forks[0]], first=True)[0]
@@ -416,12 +421,14 @@ class Forks(_Scoring, _Faults, _State):
         if m != 1.0:
             for g in groups:
                 g["lr"] = g["lr"] * m
+        self._stepping = True  # your optimizer's step hook counts the steps hpx does not take
         try:
             if scaler is not None:
                 scaler.step(f.optimizer)
             else:
                 f.optimizer.step()
         finally:
+            self._stepping = False
             if m != 1.0:  # the scheduler sees its own learning rates
                 for g, lr in zip(groups, lrs):
                     g["lr"] = lr
@@ -541,25 +548,6 @@ class Forks(_Scoring, _Faults, _State):
     def factors(self) -> list[float]:
         """The lr multiples of the forks being trained, your run's first."""
         return [f.factor for f in self._forks]
-
-    def each(self, fn: Callable[[Replica], Any]) -> None:
-        """Call ``fn(replica)`` on every fork and annealed copy (your run's first) to change them all
-        alike mid-run: unfreeze a layer, add a parameter group, set an lr by hand. A change made to
-        your own objects alone reaches your run only, and is refused at the next step. A frozen
-        parameter ``fn`` unfreezes on your run is first given to every other fork as a copy of its
-        own (frozen, it was held once for all), so each fork trains its own."""
-        if not callable(fn):
-            raise ConfigError([f"each() takes a function replica -> None, e.g. forks.each(lambda replica: "
-                               f"replica.model.eval()) (got {_checks.shown(fn)})"])
-        forks = [*self._forks, *self._clones]
-        fn(forks[0].replica)
-        if self._shared.params:
-            self._shared.unshare_unfrozen([f.model for f in forks], [f.optimizer for f in forks])
-            for f in forks:
-                f._watched = None  # its parameters are listed again
-        for f in forks[1:]:
-            fn(f.replica)
-        self._shared.refresh()
 
     @property
     def bases(self) -> dict[str, float]:

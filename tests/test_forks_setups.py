@@ -327,6 +327,115 @@ def test_converge_before_total_steps_says_the_end_came_early(caplog):
     assert f"converge() at step 5 of total_steps={STEPS}" in caplog.text and forks.decided
 
 
+def test_an_each_that_raises_part_way_refuses_every_step_until_it_runs_through():
+    """It left the forks half-changed and the next step did not notice. A function that works on every
+    fork, given to each() again, ends the refusal, and the run is then as if it had run once."""
+    def unfreeze(replica):
+        replica.model[0].requires_grad_(True)
+
+    calls = []
+
+    def flaky(replica):
+        unfreeze(replica)
+        calls.append(replica)
+        if len(calls) == 2:
+            raise RuntimeError("no such layer")
+
+    model = _frozen_net()
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE, confidence=1e9)
+    for b in BATCHES[:5]:
+        forks.step(_loss, b)
+    with pytest.raises(RuntimeError, match="no such layer"):
+        forks.each(flaky)
+    before = _state_bits(forks)
+    with pytest.raises(hpx.ConfigError, match=r"forks\.each\(fn\) raised \(RuntimeError: no such layer\) "
+                       r"on the fork at 0\.316x, having run on your run \(not on the fork at 3\.16x\): .*"
+                       r"Call forks\.each again"):
+        forks.step(_loss, BATCHES[5])
+    assert forks.step_count == 5 and all(torch.equal(a, b) for a, b in zip(before, _state_bits(forks)))
+    forks.each(unfreeze)
+    for b in BATCHES[5:STEPS]:
+        forks.step(_loss, b)
+    ref = _frozen_net()
+    _plain_loop(ref, _sgd(ref), change=lambda i, m, o: m[0].requires_grad_(True) if i == 5 else None)
+    assert forks.factor == 1.0 and _same(model, ref)
+
+
+def test_your_own_optimizer_step_between_steps_is_refused_at_the_next_step():
+    """Your run took the extra step and the forks did not, silently."""
+    model = _net(p=0.0)
+    opt = _sgd(model)
+    forks = hpx.Forks(model, opt, total_steps=STEPS, probe=PROBE)
+    for b in BATCHES[:3]:
+        forks.step(_loss, b)
+    opt.step()  # a loop that kept its own optimizer.step()
+    before = _state_bits(forks)
+    with pytest.raises(hpx.ConfigError, match=r"your optimizer was stepped 1 time\(s\) outside hpx\.Forks.*"
+                       r"Remove optimizer\.step\(\) from the loop"):
+        forks.step(_loss, BATCHES[3])
+    assert forks.step_count == 3 and all(torch.equal(a, b) for a, b in zip(before, _state_bits(forks)))
+
+
+def test_a_second_forks_on_a_model_in_training_is_refused_and_one_that_took_over_an_unstarted_one_wins():
+    """Both stepped your model: your run took two steps per batch."""
+    model = _net(p=0.0)
+    first = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE)
+    first.step(_loss, BATCHES[0])
+    with pytest.raises(hpx.ConfigError, match=r"already the run of another hpx\.Forks \(Forks\(step=1/30.*"
+                       r"End that one first \(its converge\(\)\)"):
+        hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE)
+    first.step(_loss, BATCHES[1])  # the refused one changed nothing
+    first.converge()
+    hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE)  # once ended, the model is free
+
+    fresh = _net(p=0.0)
+    unstarted = hpx.Forks(fresh, _sgd(fresh), total_steps=STEPS, probe=PROBE)
+    again = hpx.Forks(fresh, _sgd(fresh), total_steps=STEPS, probe=PROBE)  # a cell run again
+    with pytest.raises(hpx.ConfigError, match=r"another hpx\.Forks was built on this one's model"):
+        unstarted.step(_loss, BATCHES[0])
+    again.step(_loss, BATCHES[0])
+    assert unstarted.step_count == 0 and again.step_count == 1
+
+
+def test_a_model_that_cannot_be_forked_is_refused_naming_the_fix():
+    meta = _net(p=0.0).to("meta")
+    with pytest.raises(hpx.ConfigError, match=r"4 of the model's tensors are on the meta device \(0\.weight, "
+                       r"0\.bias, 3\.weight and 1 more\).*model\.to_empty"):
+        hpx.Forks(meta, _sgd(meta), total_steps=STEPS, probe=PROBE)
+    bound = _net(p=0.0)
+    bound.forward = torch.compile(bound.forward)  # compiled in place: every copy would run this object
+    with pytest.raises(hpx.ConfigError, match=r"'Sequential' has a forward set on the object itself.*"
+                       r"model\.compile\(\)"):
+        hpx.Forks(bound, _sgd(bound), total_steps=STEPS, probe=PROBE)
+
+
+def test_model_compile_is_plain_training_per_fork():
+    """What the refusal above names as the fix: model.compile() (and torch.compile(model)) gives each
+    copy its own compiled forward; every fork's losses are those of the uncompiled run."""
+    def losses(how):
+        model = _net(p=0.0)
+        if how == "compile":
+            model.compile()
+        forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE)
+        return torch.stack([forks.step(_loss, b) for b in BATCHES[:4]])
+
+    torch.testing.assert_close(losses("compile"), losses("plain"), rtol=1e-5, atol=1e-6)
+
+
+def test_a_loss_fn_that_switches_to_your_model_object_after_step_1_is_refused():
+    """The check ran at step 1 only: a loss that reads your model from step 2 on trained your run
+    once per fork and the copies never."""
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE)
+    forks.step(_loss, BATCHES[0])
+    before = _state_bits(forks)
+    with pytest.raises(hpx.ConfigError, match=r"reached none of its parameters.*not with your model object"):
+        forks.step(lambda rep, b: _loss(_Rep(model), b), BATCHES[1])
+    assert forks.step_count == 1 and all(torch.equal(a, b) for a, b in zip(before, _state_bits(forks)))
+    assert all(p.grad is None for f in forks._forks for p in f.model.parameters())
+    forks.step(_loss, BATCHES[1])
+
+
 def test_the_reliability_doc_holds_the_misuse_table_naming_these_tests():
     from pathlib import Path
 

@@ -90,9 +90,13 @@ class ModuleAttribute(Knob):
                         [f"knob {self.name!r}: the model has no submodule {qualified!r}"]
                     ) from None
         if not found:
+            kinds = (" or ".join(f"{t.__module__}.{t.__qualname__}" for t in self.default_types)
+                     + " instances" if self.modules is None else f"modules={self.modules!r}")
             raise ConfigError(
-                [f"knob {self.name!r} found no modules to set {self.attribute!r} on "
-                 f"(selector {self.modules!r}) in {type(model).__name__}"]
+                [f"knob {self.name!r} found no modules to set {self.attribute!r} on in "
+                 f"{type(model).__name__} (it looked for {kinds}): point it at the modules that hold the "
+                 f"value with modules= (their names as model.named_modules() gives them, a class, or a "
+                 f"function model -> modules), or drop the knob if the model has none"]
             )
         missing = [type(m).__name__ for m in found if not hasattr(m, self.attribute)]
         if missing:

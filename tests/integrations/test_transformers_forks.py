@@ -202,16 +202,20 @@ def test_training_stopped_early_decides_where_it_stops_with_the_winners_lr_in_yo
     assert t.optimizer.param_groups[0]["lr"] == 16e-4
 
 
-def test_a_forward_that_closes_over_your_model_is_refused_at_the_first_step(tmp_path):
+def test_a_forward_that_closes_over_your_model_is_refused_before_anything_trains(tmp_path):
     """model.forward = torch.compile(model.forward) (here: a closure, which is what it leaves on the
-    model): every copy's step ran your model, so no fork trained and yours took every fork's gradient."""
+    model): every copy's step ran your model, so no fork trained and yours took every fork's gradient.
+    Refused when the forks are built, before the Trainer's first step."""
     model = Tiny()
     own = model.forward
     model.forward = functools.wraps(own)(lambda *a, **k: own(*a, **k))
     t = ForksTrainer(model=model, args=forks_args(tmp_path, 20, 1e-3), train_dataset=train_set(),
                      probe=probe(), forks={"multiples": POW2})
-    with pytest.raises(hpx.ConfigError, match="the framework's step ran your module, not the copy"):
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(hpx.ConfigError, match=r"'Tiny' has a forward set on the object itself.*"
+                       r"model\.compile\(\)"):
         t.train()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 def test_torch_compile_with_dropout_is_refused_before_a_step(tmp_path):

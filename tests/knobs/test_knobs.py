@@ -179,8 +179,12 @@ def test_module_selectors():
     assert hpx.Dropout(modules=lambda m: [m.drop]).select(rep.model) == [rep.model.drop]
     with pytest.raises(hpx.ConfigError, match="no submodule 'nope'"):
         hpx.Dropout(modules="nope").select(rep.model)
-    with pytest.raises(hpx.ConfigError, match="found no modules"):
-        hpx.Dropout().select(nn.Linear(2, 2))
+    with pytest.raises(hpx.ConfigError, match=r"found no modules to set 'p' on in Linear \(it looked for "
+                       r"torch\.nn\.modules\.dropout\._DropoutNd instances\): point it at the modules .* "
+                       r"with modules="):
+        hpx.Dropout().select(nn.Linear(2, 2))  # it named no fix
+    with pytest.raises(hpx.ConfigError, match=r"it looked for modules=<class .*Dropout'>"):
+        hpx.Dropout(modules=nn.Dropout).select(nn.Linear(2, 2))
     with pytest.raises(hpx.ConfigError, match="no attribute 'temperature'"):
         hpx.AttentionTemperature(modules="head").select(rep.model)
 

@@ -1,0 +1,168 @@
+"""Misuse of :class:`hpx.Forks` that would otherwise go unseen, refused before it changes anything:
+a model that cannot be forked (on the meta device, or a forward set on the object that every copy
+would share), a model another ``Forks`` is training, your own ``optimizer.step()`` between steps, a
+``loss_fn`` that computes the loss with your model object after the first step, and an
+:meth:`~hpx.Forks.each` that raised part way. The checks on the per-step path are host reads of a
+few attributes: nothing waits on a device."""
+
+from __future__ import annotations
+
+import itertools
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from hpx import _checks
+from hpx._forks import _Fork, _unreached
+from hpx.errors import ConfigError
+from hpx.history import _fork_label
+from hpx.replica import Replica
+
+_RUNS: weakref.WeakKeyDictionary[torch.nn.Module, Any] = weakref.WeakKeyDictionary()
+"""model -> a weak reference to the ``Forks`` training it (one at a time)."""
+
+
+def _rebuilt_on_copy(module: torch.nn.Module) -> bool:
+    """Whether ``module`` makes its instance-level forward anew when copied (``torch.compile(model)``'s
+    wrapper does, in ``__setstate__``)."""
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # pragma: no cover - torch without dynamo
+        return False
+    return isinstance(module, OptimizedModule)
+
+
+def _own_method(module: torch.nn.Module) -> bool:
+    """Whether the forward set on ``module`` is a method bound to it (a copy rebinds it to itself)."""
+    fwd = module.__dict__["forward"]
+    return isinstance(fwd, types.MethodType) and fwd.__self__ is module
+
+
+def model_problems(model: torch.nn.Module) -> list[str]:
+    """Why ``model`` cannot be forked: what every fork would copy wrongly, or another Forks's run
+    (one that has stepped and not ended; an unstarted one is taken over: its steps are refused)."""
+    problems = []
+    meta = [n for n, t in itertools.chain(model.named_parameters(), model.named_buffers()) if t.is_meta]
+    if meta:
+        shown = ", ".join(meta[:3]) + (f" and {len(meta) - 3} more" if len(meta) > 3 else "")
+        problems.append(f"{len(meta)} of the model's tensors are on the meta device ({shown}): they hold no "
+                        "values to train or copy. Materialize them before building hpx.Forks "
+                        "(model.to_empty(device=...) then initialize or load_state_dict them); with shard=, "
+                        "pass the model with real weights, and Forks shards it")
+    bound = [name or type(model).__name__ for name, m in model.named_modules()
+             if "forward" in m.__dict__ and not _rebuilt_on_copy(m) and not _own_method(m)]
+    if bound:
+        problems.append(f"{bound[0]!r} has a forward set on the object itself (model.forward = "
+                        "torch.compile(model.forward)?): every fork's copy would share it and run your "
+                        "model's weights, not its own. Compile with model.compile() or torch.compile(model) "
+                        "(each copy then compiles its own forward), or define forward in the class")
+    held = _RUNS.get(model)
+    other = held() if held is not None else None
+    if other is not None and not other.decided and other.step_count > 0:  # an unstarted one is taken over
+        problems.append(f"the model is already the run of another hpx.Forks ({other!r}), which has not "
+                        "ended: both would step it. End that one first (its converge()), or build this Forks "
+                        "on a new model")
+    return problems
+
+
+def _label(forks: Any, f: _Fork) -> str:
+    mine = "your run" if f is forks._forks[0] else f"the fork at {_fork_label(f.setting(), forks._bases)}"
+    return mine + (" (an annealed copy)" if f.ramp is not None else "")
+
+
+def reached(trained: list[_Fork], start: _Fork) -> list[str]:
+    """After a backward past the first step: a fork other than your run whose loss reached none of its
+    parameters (a ``loss_fn`` that switched to your model object). One parameter per fork that had
+    a gradient before (``_mark``) is read; the whole model only when it has none now."""
+    lost = False
+    for f in trained:
+        if f is start:
+            continue
+        mark = getattr(f, "_mark", None)
+        if mark is None or mark.grad is None:
+            mark = next((p for p in f.model.parameters() if p.grad is not None), None)
+            f._mark = mark
+            lost = lost or mark is None
+    return _unreached(trained, start) if lost else []
+
+
+class _Guards:
+    """The checks above that need the search's state, and :meth:`each` (a mixin of ``Forks``)."""
+
+    _forks: Any
+    _clones: Any
+    _shared: Any
+    _outside: bool
+    _bases: Any
+    _stepping = False  # hpx itself is stepping the forks' optimizers
+    _outside_steps = 0  # steps of your optimizer that hpx did not take
+    _half: str | None = None  # what an each() that raised part way left
+
+    def _watch(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Hold ``model`` as this search's run, and count your optimizer's steps hpx does not take
+        (a post-step hook: one Python call per step)."""
+        _RUNS[model] = weakref.ref(self)
+        me = weakref.ref(self)
+
+        def counted(opt: Any, args: Any, kwargs: Any) -> None:
+            forks = me()
+            if forks is not None and not forks._stepping:
+                forks._outside_steps += 1
+
+        optimizer.register_step_post_hook(counted)
+
+    def _misuse(self) -> list[str]:
+        """Why the next step must be refused before it changes anything."""
+        if self._half is not None:
+            return [self._half]
+        held = _RUNS.get(self._forks[0].model)
+        if held is not None and held() is not self:
+            return [f"another hpx.Forks was built on this one's model before it took a step ({held()!r}): "
+                    "that one trains the model now; step it, or build this one again"]
+        if self._outside_steps and not self._outside:
+            return [f"your optimizer was stepped {self._outside_steps} time(s) outside hpx.Forks "
+                    "(optimizer.step() in your loop?): forks.step() steps every fork's optimizer, yours "
+                    "included, so your run took steps the other forks did not. Remove optimizer.step() from "
+                    "the loop, and resume from your last checkpoint (hpx.load_checkpoint) or start again"]
+        return []
+
+    def each(self, fn: Callable[[Replica], Any]) -> None:
+        """Call ``fn(replica)`` on every fork and annealed copy (your run's first) to change them all
+        alike mid-run: unfreeze a layer, add a parameter group, set an lr by hand. A change made to
+        your own objects alone reaches your run only, and is refused at the next step. A frozen
+        parameter ``fn`` unfreezes on your run is first given to every other fork as a copy of its
+        own (frozen, it was held once for all), so each fork trains its own.
+
+        ``fn`` that raises on some fork leaves the forks it ran on changed and the rest not: every
+        step is then refused, naming them, until ``each`` runs through on every fork (call it again
+        with a function that works on all) or ``hpx.load_checkpoint`` restores the run."""
+        if not callable(fn):
+            raise ConfigError([f"each() takes a function replica -> None, e.g. forks.each(lambda replica: "
+                               f"replica.model.eval()) (got {_checks.shown(fn)})"])
+        forks = [*self._forks, *self._clones]
+        done = 0
+        try:
+            fn(forks[0].replica)
+            done = 1
+            if self._shared.params:
+                self._shared.unshare_unfrozen([f.model for f in forks], [f.optimizer for f in forks])
+                for f in forks:
+                    f._watched = None  # its parameters are listed again
+            for f in forks[1:]:
+                fn(f.replica)
+                done += 1
+        except BaseException as e:
+            ran = ", ".join(_label(self, f) for f in forks[:done]) or "no fork"
+            rest = ", ".join(_label(self, f) for f in forks[done + 1:])
+            rest = f" (not on {rest})" if rest else ""
+            self._half = (f"forks.each(fn) raised ({type(e).__name__}: {e}) on {_label(self, forks[done])}, "
+                          f"having run on {ran}{rest}: the forks now differ in more than their settings. "
+                          "Call forks.each again with a function that works on every fork (it runs on each, "
+                          "your run first), or resume from your last checkpoint")
+            raise
+        finally:
+            self._shared.refresh()
+        self._half = None
