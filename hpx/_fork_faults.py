@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from hpx._fork_probe import group_numbers
 from hpx._fork_ranks import _MET, check_steps_aligned
 from hpx._forks import _device
 from hpx.averaging import local
@@ -115,9 +116,27 @@ class _Faults:
         same step, or every rank raises :class:`ConsistencyError` within one collective instead of
         hanging (:func:`hpx._fork_ranks.check_steps_aligned`; sharded forks' collectives are FSDP's and
         are not checked)."""
-        if self.collective.world_size == 1 or self._sharder is not None:
+        if self.collective.world_size == 1:
             return
-        if self._crossed is not None and bool(self._crossed):  # a host read, at a decision
-            raise ConsistencyError(f"a training step of this rank met another rank's decision, converge() "
-                                   f"or load_checkpoint (found at step {self.step_count}): {_MET}")
-        check_steps_aligned(self._trained(), self.collective, self.step_count, when)
+        if self._sharder is None:
+            if self._crossed is not None and bool(self._crossed):  # a host read, at a decision
+                raise ConsistencyError(f"a training step of this rank met another rank's decision, "
+                                       f"converge() or load_checkpoint (found at step {self.step_count}): "
+                                       f"{_MET}")
+            check_steps_aligned(self._trained(), self.collective, self.step_count, when)
+        self._check_settings(when)
+
+    def _check_settings(self, when: str) -> None:
+        """Every rank's forks are set alike (a change made on one rank alone, ``each()`` in a branch
+        taken by one rank, trained the ranks apart while only rank 0's decisions were applied): each
+        fork's multiple and knob values, its optimizer's groups' numbers, its scheduler's step; one
+        gather of them, at a decision (a host-side list, sent once)."""
+        numbers = [float(self.step_count)]
+        for f in [*self._forks, *self._clones]:
+            numbers += [f.factor, *(float(f.values[k]) for k in sorted(f.values))]
+            numbers += group_numbers(f.optimizer)
+            numbers.append(float(getattr(f.scheduler, "last_epoch", -1)) if f.scheduler is not None else -1.0)
+        self.collective.check_same(torch.tensor(numbers, dtype=torch.float64),
+                                   f"{when}, the forks' settings (each fork's multiple and knob values, "
+                                   "its optimizer's lr, weight decay, betas, ..., its scheduler's step: "
+                                   "change them on every rank alike, with forks.each(...) on every rank)")

@@ -37,15 +37,19 @@ def ranks_start_alike(forks: Any, model: torch.nn.Module,
     collective.check_same(torch.tensor(settings, dtype=torch.float64),
                           "Forks settings (total_steps, knobs, multiples, cuts, cool, confidence, weights)")
     if optimizer is not None:  # each group's numbers (lr, weight decay, betas): a rank's own lr went unseen
-        numbers = [float(x) for g in optimizer.param_groups for k, v in sorted(g.items()) if k != "params"
-                   for x in (v if isinstance(v, tuple) else (v,))
-                   if isinstance(x, (int, float)) and not isinstance(x, bool)]
-        collective.check_same(torch.tensor(numbers, dtype=torch.float64),
+        collective.check_same(torch.tensor(group_numbers(optimizer), dtype=torch.float64),
                               "the optimizer's settings (each parameter group's lr, weight decay, betas, "
                               "...; build the optimizer alike on every rank)")
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             collective.broadcast_(t.data, 0)
+
+
+def group_numbers(optimizer: torch.optim.Optimizer) -> list[float]:
+    """Every parameter group's plain numbers (lr, weight decay, betas, ...), in a fixed order."""
+    return [float(x) for g in optimizer.param_groups for k, v in sorted(g.items()) if k != "params"
+            for x in (v if isinstance(v, tuple) else (v,))
+            if isinstance(x, (int, float)) and not isinstance(x, bool)]
 
 
 def probes_alike(collective: Collective, initial: float) -> None:

@@ -147,12 +147,13 @@ def test_a_config_error_crosses_a_process_boundary_with_its_problems():
 
 def _uneven(rank: int, world: int) -> dict:
     """Each case in turn: the last rank runs one step fewer, skips a batch, takes one step more, stops
-    early, or builds its optimizer at another lr. Each used to hang until the process group's
-    timeout (30 minutes by default) or end in a bare gloo error."""
+    early, builds its optimizer at another lr, or sets another lr mid-run through each() (a branch
+    only it takes). Each used to hang until the process group's timeout (30 minutes by default) or
+    end in a bare gloo error; the last trained the ranks apart, only rank 0's decisions applied."""
     import time
 
     out = {}
-    for how in ("fewer", "skip", "extra", "stops", "lr"):
+    for how in ("fewer", "skip", "extra", "stops", "lr", "each"):
         model = _net(p=0.0)
         lr = 0.1 if how == "lr" and rank == world - 1 else 0.05
         last = rank == world - 1
@@ -165,6 +166,8 @@ def _uneven(rank: int, world: int) -> dict:
             for i, b in enumerate(BATCHES[:steps]):
                 if last and ((how == "skip" and i == 7) or (how == "stops" and i >= 12)):
                     continue
+                if last and how == "each" and i == 6:  # after the first cut's decision (step 5)
+                    forks.each(lambda rep: rep.optimizer.param_groups[0].__setitem__("lr", 0.08))
                 forks.step(_loss, b)
             forks.converge()
             out[how] = ("ok", time.monotonic() - t0)
@@ -182,5 +185,8 @@ def test_ranks_that_step_unevenly_or_build_another_lr_raise_on_every_rank_withou
             assert "ran different numbers of optimizer steps" in msg, (how, msg)
             assert seconds < 60, (how, seconds)  # a hang waited for the process group's timeout
         assert "the optimizer's settings" in r["lr"][0] and "differ across ranks" in r["lr"][0]
+        msg, seconds = r["each"]  # found at the next decision, the second cut's (step 10), on every rank
+        assert msg.startswith("deciding at step 10, the forks' settings") and "differ across ranks" in msg
+        assert f"ranks [{world - 1}] disagree with rank 0" in msg and seconds < 60
     assert any("another rank was at a training step" in r["fewer"][0] for r in ranks)
     assert any("met another rank's decision, converge()" in r["fewer"][0] for r in ranks)
