@@ -343,53 +343,6 @@ def _unreached(trained: list[_Fork], start: _Fork, how: str = "") -> list[str]:
             "is a copy of your model"]
 
 
-def _stepped_apart(forks: list[_Fork]) -> list[str]:
-    """Your objects changed where the forks' copies did not: your scheduler stepped more often
-    (``scheduler.step()`` in your loop as well), or by hand your optimizer's groups or their plain
-    settings (lr, weight decay, ...), which parameters train, or a dropout rate; compared with a
-    fork at your knob values (host reads only: nothing waits on a device)."""
-    start = forks[0]
-    other = next((f for f in forks[1:] if not f.lost and f.values == start.values), None)  # an lr fork
-    if other is None or start.lost:
-        return []
-    if start.scheduler is not None and other.scheduler is not None:
-        mine = getattr(start.scheduler, "last_epoch", None)
-        theirs = getattr(other.scheduler, "last_epoch", None)
-        if mine is not None and mine != theirs:
-            return [f"your scheduler is at step {mine}, the forks' copies of it at {theirs}: hpx.Forks steps "
-                    "every fork's scheduler itself; remove scheduler.step() from your loop"]
-    if start.model.training != other.model.training:
-        mode = {True: "train", False: "eval"}
-        return [f"your model is in {mode[start.model.training]} mode where the forks' copies of it are in "
-                f"{mode[other.model.training]} mode (model.eval() left on after an evaluation?): call "
-                "model.train() before the next step, or set every fork's mode with forks.each(lambda "
-                "replica: replica.model.eval())"]
-    mine_g, theirs_g = start.optimizer.param_groups, other.optimizer.param_groups
-    what = (f"{len(mine_g)} parameter groups where the copies have {len(theirs_g)}"
-            if len(mine_g) != len(theirs_g) else
-            next((f"parameter group {i}'s {k} {a[k]!r} where the copies have {b.get(k)!r}"
-                  for i, (a, b) in enumerate(zip(mine_g, theirs_g)) for k in a
-                  if k != "params" and _plain_setting(a[k]) and a[k] != b.get(k)), None)
-            or ("other parameters set to train (requires_grad)" if [
-                p.requires_grad for p in start.watched()[0]] != [
-                p.requires_grad for p in other.watched()[0]] else None)
-            or ("another dropout rate" if [m.p for m in start.watched()[1]] != [
-                m.p for m in other.watched()[1]] else None))
-    if what is None:
-        return []
-    return [f"your optimizer or model has {what}: hpx.Forks trains copies of them made when it was built, "
-            "and a change made to yours since (a layer unfrozen, a group added, an lr set by hand or by a "
-            "scheduler of your own) reaches your run only. Make every fork's change with "
-            "forks.each(lambda replica: ...), or make it before hpx.Forks is built"]
-
-
-def _plain_setting(v: Any) -> bool:
-    """A parameter group's setting compared host-side: a number, a flag, a name or a tuple of numbers
-    (betas); a tensor is not read (that would wait on its device)."""
-    return isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(
-        isinstance(x, (int, float)) for x in v))
-
-
 def common_draws(device: torch.device, calls: Sequence[Callable[[], Any]],
                  others: list[bool | None] | None = None) -> list[Any]:
     """Every call's result, each call made from the global random streams as they were before the

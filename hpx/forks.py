@@ -53,7 +53,7 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 from hpx import _checks
 from hpx._fork_built import dropout_record, optimizer_record, probe_record, schedule_record
 from hpx._fork_faults import _Faults
-from hpx._fork_misuse import _Guards, model_problems, reached
+from hpx._fork_misuse import _Guards, _stepped_apart, model_problems, reached
 from hpx._fork_probe import _layout, _Scoring, first_checked, probes_alike, ranks_start_alike
 from hpx._fork_ranks import mean_over_ranks
 from hpx._fork_shard import _Sharder, is_dtensor
@@ -66,7 +66,6 @@ from hpx._forks import (
     _forward_backward,
     _ranked,
     _settings_problems,
-    _stepped_apart,
     _unstepped,
     bind_scalers,
     common_draws,

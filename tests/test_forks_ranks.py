@@ -127,7 +127,9 @@ def test_your_scaler_is_restored_by_a_resume_with_the_forks():
 
 @pytest.mark.parametrize("change, words", [
     (lambda m, o: o.param_groups[0].__setitem__("weight_decay", 0.5), "parameter group 0's weight_decay 0.5"),
-    (lambda m, o: setattr(m[2], "p", 0.9), "another dropout rate"),
+    (lambda m, o: setattr(m[2], "p", 0.9), r"dropout rate 0\.9 in '2' where the copies have 0\.2"),
+    (lambda m, o: m[3].weight.requires_grad_(False), r"parameter '3\.weight' frozen \(requires_grad=False\) "
+                                                     r"where the copies' is not"),
 ])
 def test_other_settings_changed_on_your_objects_alone_are_refused(change, words):
     model = _net(p=0.2)
