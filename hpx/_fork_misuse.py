@@ -177,7 +177,8 @@ class _Guards:
             if forks is not None and not forks._stepping:
                 forks._outside_steps += 1
 
-        optimizer.register_step_post_hook(counted)
+        handle = optimizer.register_step_post_hook(counted)
+        weakref.finalize(self, handle.remove)  # gone with this search: a later Forks adds its own
 
     def _misuse(self) -> list[str]:
         """Why the next step must be refused before it changes anything."""
