@@ -652,7 +652,8 @@ def test_the_bar_table_reads_each_row_against_its_threshold(tmp_path, monkeypatc
                 "end_vs_oracle": end, "lost": lost}
 
     good = [row(f"t{i}", s, 1.0, 1.0, 1.0) for i in range(10) for s in ("0.1x", "1x", "10x")]
-    harm, rec, near, lost = bar._suite_rows(good)
+    harm, rec, warm, near, lost = bar._suite_rows(good)
+    assert warm == "no OneCycleLR task in this set"
     assert near == "30 of 30 cells (100%) (met)"
     assert harm == "10 of 10 tasks (100%) <= 1.02; the largest 1.000 (met)"
     assert rec.startswith("20 of 20 cells (100%)") and rec.endswith("(met)") and lost == "0 (met)"
@@ -664,7 +665,12 @@ def test_the_bar_table_reads_each_row_against_its_threshold(tmp_path, monkeypatc
     # a recovered cell that is still more than 2% worse than plain at its start fails the row
     worse = [*good, row("t11", "10x", 1.03, 1.0, 1.0)]
     assert bar._suite_rows(worse)[1] == "21 of 21 cells (100%); at most 1.030x plain at that start (not met)"
-    assert bar._suite_rows([*good, row("t12", "1x", 1.0, 1.0, 4.0, lost=True)])[3] == "1 (not met)"
+    assert bar._suite_rows([*good, row("t12", "1x", 1.0, 1.0, 4.0, lost=True)])[4] == "1 (not met)"
+    # recovery under a warm-up: the OneCycleLR tasks' cells from 10x above only, against 75%
+    onecycle = [row("digits_mlp", "10x", 1.0, 1.2, 10.0), row("wine_short", "10x", 1.0, 1.04, 1.0),
+                row("digits_cnn", "10x", 1.0, 1.5, 10.0), row("wine_short", "0.1x", 1.0, 1.5, 1.0)]
+    assert bar._suite_rows([*good, *onecycle])[2] == "1 of 2 cells (50%) (not met)"
+    assert bar._suite_rows([*good, *onecycle[1:]])[2] == "1 of 1 cells (100%) (met)"
     # the cost row: the method's optimizer steps over plain's, per task of the set, from the cost
     # store, against 2.0x; its seconds over plain's beside them (tests/test_report_stores.py: more)
     cost = tmp_path / "cost.json"
