@@ -171,3 +171,23 @@ def test_the_bars_cost_row_reads_the_stored_optimizer_steps_against_2x(lr_stores
         assert row.startswith(f"optimizer steps not stored for {n} of {n} tasks: `python -m "
                               "benchmarks.lr.cost` stores those")
         assert "(met)" not in row and "(not met)" not in row  # no verdict without the steps
+
+
+@pytest.mark.parametrize("name", ["vmap_probe", "bench_step", "scaling", "forks_memory", "bench_dist"])
+def test_an_engine_study_report_only_refuses_a_missing_or_empty_store(name, tmp_path, monkeypatch):
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{name}")
+    doc = tmp_path / "benchmarks.md"
+    shutil.copy(DOCS, doc)
+    before = doc.read_bytes()
+    store = tmp_path / "stored" / f"{name}.json"
+    monkeypatch.setattr(module, "STORE", store)
+    monkeypatch.setattr(module, "DOC", doc)
+    report = lambda: module.main(["--report-only"])  # noqa: E731
+    _refused(report, f"{name}.json is missing", f"`{module.COMMAND}`", str(doc))
+    assert doc.read_bytes() == before
+    store.parent.mkdir()
+    store.write_text("{}")
+    _refused(report, f"{name}.json holds no results", f"`{module.COMMAND}`")
+    assert doc.read_bytes() == before

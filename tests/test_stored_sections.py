@@ -1,7 +1,7 @@
-"""The sections of docs/benchmarks.md written from the learning-rate suite's committed stores
-(``benchmarks/lr/stored/``) are rebuilt here from those stores by the functions their report
-commands write them with, and must equal the committed text byte for byte: a figure in the docs
-is one a clone re-derives (issue 41).
+"""The sections of docs/benchmarks.md written from committed stores (the learning-rate suite's in
+``benchmarks/lr/stored/``, the engine study's measurements in ``benchmarks/stored/``) are rebuilt
+here from those stores by the functions their commands write them with, and must equal the
+committed text byte for byte: a figure in the docs is one a clone re-derives (issue 41).
 
 Nothing here trains: each section is read from stored runs only. A section whose stores are not
 all committed yet is skipped, naming the store and the command that makes it; each method's
@@ -20,7 +20,7 @@ pytest.importorskip("sklearn")
 pytest.importorskip("transformers")
 pytest.importorskip("pydoc_data.topics")
 
-from benchmarks import _store
+from benchmarks import _store, bench_dist, bench_step, forks_memory, scaling, vmap_probe
 from benchmarks.lr import __main__ as suite
 from benchmarks.lr import bar, cost, noise
 from benchmarks.lr.tasks import TASKS
@@ -102,3 +102,22 @@ def test_the_cost_section_is_its_committed_store_read():
                   text)
     md = cost.section(json.loads(cost.COST.read_text()), int(m.group(1)), m.group(2).split(), m.group(3))
     assert text == md[len("<!-- lr-cost -->"):-len("<!-- /lr-cost -->")]
+
+
+# the engine study's sections whose command keeps its measurement in benchmarks/stored/ (with the
+# machine it was made on) and writes the section from that store alone
+ENGINE = {"vmap_probe": vmap_probe, "bench_step": bench_step, "scaling": scaling,
+          "forks-memory": forks_memory, "bench_dist": bench_dist}
+
+
+@pytest.mark.parametrize("marker", ENGINE)
+def test_an_engine_study_section_is_its_committed_store_read(marker):
+    module = ENGINE[marker]
+    if not module.STORE.exists():
+        pytest.skip(f"not committed yet: {_store.shown(module.STORE)} (`{module.COMMAND}`)")
+    text = module.stored_section(json.loads(module.STORE.read_text()))
+    if marker == "bench_dist":  # its section carries its own markers
+        text = text[len(bench_dist.BEGIN):-len(bench_dist.END)]
+    else:  # benchmarks.report.write_section puts the stripped text between the markers
+        text = f"\n{text.strip()}\n"
+    assert committed(marker) == text
