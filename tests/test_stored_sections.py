@@ -121,3 +121,18 @@ def test_an_engine_study_section_is_its_committed_store_read(marker):
     else:  # benchmarks.report.write_section puts the stripped text between the markers
         text = f"\n{text.strip()}\n"
     assert committed(marker) == text
+
+
+@pytest.mark.parametrize("marker", ["bench_quality", "bench_overhead"])
+def test_the_engine_benchmarks_sections_are_their_committed_store_read(marker):
+    from benchmarks import __main__ as bench
+    from benchmarks.suite import SuiteConfig
+
+    path = bench.results_path("full")
+    if not path.exists():
+        pytest.skip(f"not committed yet: {_store.shown(path)} (`python -m benchmarks --full`)")
+    command = "python -m benchmarks --full"
+    texts, _, _ = bench.sections(SuiteConfig(), bench.load_results(path), command, "img",
+                                 bench.FINDINGS.read_text(), _store.shown(path))
+    assert marker in texts, f"{_store.shown(path)} holds nothing the {marker} section is written from"
+    assert committed(marker) == f"\n{texts[marker].strip()}\n"
