@@ -22,7 +22,7 @@ pytest.importorskip("pydoc_data.topics")
 
 from benchmarks import _store, bench_dist, bench_step, forks_memory, scaling, vmap_probe
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, cost, noise
+from benchmarks.lr import bar, coexplore, cost, noise
 from benchmarks.lr.tasks import TASKS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -93,6 +93,14 @@ def test_the_suites_section_is_its_committed_stores_read():
 def test_the_bars_section_is_its_committed_stores_read():
     needs(suite.store_path("Forks"), bar.COEXPLORE, cost.COST, noise.PATH)
     assert committed("lr-bar") == f"\n## {bar.TITLE}\n\n{bar.markdown('Forks')}"
+
+
+@pytest.mark.parametrize("route", coexplore.ROUTES)
+def test_the_coexplore_sections_tables_are_its_committed_store_read(route):
+    needs(bar.COEXPLORE)  # the prose around the tables is written by hand
+    shown = coexplore.tables_in(committed("coexplore"))[route]
+    store = json.loads(bar.COEXPLORE.read_text())
+    assert shown == "\n".join(coexplore.table(store, suite._load(suite.GRIDS), coexplore.ROUTES[route]))
 
 
 def test_the_cost_section_is_its_committed_store_read():
