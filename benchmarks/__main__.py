@@ -4,10 +4,13 @@ the signal, overhead.
     python -m benchmarks --quick              # the CI smoke test: every stage, tiny runs (< 1 min)
     python -m benchmarks --full               # the real thing (about 10-11 min on 2 quiet cores);
                                               # writes docs/benchmarks.md and docs/img/bench_*.png
-    python -m benchmarks --full --report-only # rebuild the docs from runs/benchmarks/full.json
+    python -m benchmarks --full --report-only # rebuild the docs from benchmarks/stored/full.json
     python -m benchmarks --overhead-only      # only the overhead section
 
-Raw results go to runs/benchmarks/<mode>.json; a rerun resumes from it (delete it to start over).
+Raw results go to benchmarks/stored/full.json (committed, with the machine the runs were made on:
+the docs' sections are written from it alone, so a clone rebuilds them, which
+tests/test_stored_sections.py checks) and runs/benchmarks/quick.json (gitignored); a rerun resumes
+from them (delete one, or pass --fresh, to start over).
 """
 
 from __future__ import annotations
@@ -65,6 +68,34 @@ def save_results(path: Path, results: dict) -> None:
     path.write_text(json.dumps(_clean(results)))
 
 
+def results_path(mode: str) -> Path:
+    """Where the raw results of ``mode`` are kept: the full benchmark's committed (the docs'
+    sections are written from them), the smoke test's under ``runs/`` (gitignored)."""
+    if mode == "full":
+        return ROOT / "benchmarks" / "stored" / "full.json"
+    return ROOT / "runs" / "benchmarks" / f"{mode}.json"
+
+
+def sections(cfg: SuiteConfig, results: dict, command: str, img_rel: str, findings: str,
+             stored: str) -> tuple[dict[str, str], dict, dict]:
+    """The sections written from ``results`` (the whole store: runs, ``__meta__``, ``__overhead__``),
+    by marker, and the analysis and runs the plots are drawn from. The machine lines are the ones
+    the store records (this machine's for a store from before they were recorded)."""
+    meta = results.get("__meta__", {})
+    analysis = analyse(cfg, results)
+    analysis["wall"] = meta.get("wall", math.nan)
+    analysis["jobs"] = meta.get("jobs", cfg.jobs)
+    runs_only = {k: v for k, v in results.items() if not k.startswith("__")}
+    out = {"bench_quality": report.quality_section(cfg, runs_only, analysis, command, img_rel, findings,
+                                                   meta.get("machine"), stored)}
+    overhead = results.get("__overhead__")
+    if overhead:
+        cmd = meta.get("overhead_command") or (
+            command if cfg.mode != "full" else "python -m benchmarks --full (or --overhead-only)")
+        out["bench_overhead"] = report.overhead_section(overhead, cmd, meta.get("overhead_machine"))
+    return out, analysis, runs_only
+
+
 def _sigterm_as_interrupt():
     """SIGTERM unwinds like Ctrl-C, so the process pool's workers are stopped too.
     Returns the previous handler (to restore), or None."""
@@ -100,7 +131,8 @@ def _main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tasks", default=None, help="comma-separated subset of mlp,charlm,cnn")
     ap.add_argument("--out", default=None, help="where to write the markdown and PNGs "
                     "(full default: docs/benchmarks.md and docs/img; quick default: runs/benchmarks/quick)")
-    ap.add_argument("--results", default=None, help="raw results JSON (default runs/benchmarks/<mode>.json)")
+    ap.add_argument("--results", default=None, help="raw results JSON (default benchmarks/stored/full.json, "
+                    "runs/benchmarks/quick.json)")
     ap.add_argument("--report-only", action="store_true", help="no training: rebuild docs from the results")
     ap.add_argument("--no-overhead", action="store_true", help="skip the overhead benchmark")
     ap.add_argument("--fresh", action="store_true", help="ignore saved results")
@@ -113,7 +145,7 @@ def _main(argv: list[str] | None = None) -> int:
     cfg = SuiteConfig(jobs=args.jobs or default_jobs()) if full else quick_config(jobs=args.jobs or 1)
     if args.tasks:
         cfg.tasks = tuple(args.tasks.split(","))
-    res_path = Path(args.results) if args.results else ROOT / "runs" / "benchmarks" / f"{cfg.mode}.json"
+    res_path = Path(args.results) if args.results else results_path(cfg.mode)
     if full:
         doc = ROOT / "docs" / "benchmarks.md" if args.out is None else Path(args.out) / "benchmarks.md"
     else:
@@ -125,9 +157,6 @@ def _main(argv: list[str] | None = None) -> int:
     if args.report_only:  # from the stored results only: refused, naming the command, without them
         results = _store.load(res_path, command, doc, "about 10-11 min on two cores" if full else "",
                               read=load_results)
-        analysis = analyse(cfg, results)
-        analysis["wall"] = saved.get("__meta__", {}).get("wall", math.nan)
-        analysis["jobs"] = saved.get("__meta__", {}).get("jobs", cfg.jobs)
     else:
         results = {k: v for k, v in saved.items() if k not in ("__meta__", "__horizon_summary__")}
 
@@ -138,14 +167,13 @@ def _main(argv: list[str] | None = None) -> int:
         results, analysis = run_suite(cfg, log=log, results=results)
         meta = saved.get("__meta__", {}) if not args.fresh else {}
         if set(results) - before - {"__horizon_summary__"} or not meta:  # something new ran
-            # a resumed run adds its time to the time already spent
-            meta = {"wall": meta.get("wall", 0.0) + analysis["wall"], "jobs": cfg.jobs}
-        analysis["wall"], analysis["jobs"] = meta["wall"], meta["jobs"]
+            # a resumed run adds its time to the time already spent; the machine is the last run's
+            meta = {**meta, "wall": meta.get("wall", 0.0) + analysis["wall"], "jobs": cfg.jobs,
+                    "machine": report.machine()}
+        meta.setdefault("machine", report.machine())  # a store from before the machine was recorded
         results["__meta__"] = meta
         save_results(res_path, results)
-    results_only = {k: v for k, v in results.items() if not k.startswith("__")}
 
-    overhead = None
     if not args.no_overhead and not args.report_only:
         print("overhead (in-process engine step vs 4 plain replica steps)", flush=True)
         if full:
@@ -153,18 +181,16 @@ def _main(argv: list[str] | None = None) -> int:
         else:
             overhead = run_overhead(tasks=("mlp",), block=20, blocks=2)
         results["__overhead__"] = overhead
+        results["__meta__"].update(overhead_machine=report.machine(), overhead_command=None)
         save_results(res_path, results)
-    elif args.report_only:
-        overhead = saved.get("__overhead__")
 
     img_rel = "img" if doc.parent == img.parent else str(img)
     findings = FINDINGS.read_text() if (full and FINDINGS.exists()) else ""
+    stored = _store.shown(res_path)
+    texts, analysis, results_only = sections(cfg, results, command, img_rel, findings, stored)
     report.plot_all(cfg, results_only, analysis, img)
-    report.write_section(doc, "bench_quality",
-                         report.quality_section(cfg, results_only, analysis, command, img_rel, findings))
-    if overhead:
-        cmd = command if not full else "python -m benchmarks --full (or --overhead-only)"
-        report.write_section(doc, "bench_overhead", report.overhead_section(overhead, cmd))
+    for marker, text in texts.items():
+        report.write_section(doc, marker, text)
     for line in report.summary_lines(analysis):
         print(line)
     print(f"wrote {doc} and {img}/bench_*.png; results in {res_path}; {time.perf_counter() - t0:.0f} s total")
@@ -172,15 +198,16 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 def _overhead_only(args) -> int:
-    res_path = Path(args.results) if args.results else ROOT / "runs" / "benchmarks" / "full.json"
+    res_path = Path(args.results) if args.results else results_path("full")
     doc = (ROOT / "docs" if args.out is None else Path(args.out)) / "benchmarks.md"
     overhead = run_overhead(tasks=tuple(args.tasks.split(",")) if args.tasks else ("mlp", "cnn", "charlm"))
+    command = "python -m benchmarks --overhead-only"
     saved = load_results(res_path)
-    if saved:
+    if saved:  # kept with the full results, the section is rebuilt from them like the others
         saved["__overhead__"] = overhead
+        saved.setdefault("__meta__", {}).update(overhead_machine=report.machine(), overhead_command=command)
         save_results(res_path, saved)
-    report.write_section(doc, "bench_overhead",
-                         report.overhead_section(overhead, "python -m benchmarks --overhead-only"))
+    report.write_section(doc, "bench_overhead", report.overhead_section(overhead, command))
     print(f"wrote the overhead section of {doc}")
     return 0
 

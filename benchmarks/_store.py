@@ -1,8 +1,10 @@
 """Stored results that a report command reads, refused when they are not there.
 
 A report command writes a section of the docs from results another command stored: under
-``runs/`` (gitignored: a fresh clone has none), or in ``benchmarks/lr/stored/`` (committed) for
-the learning-rate suite's sections, where a store is missing until its command has run. Written
+``runs/`` (gitignored: a fresh clone has none), or committed, where a store is missing until its
+command has run: in ``benchmarks/lr/stored/`` for the learning-rate suite's sections, in
+``benchmarks/stored/`` (:data:`STORED`, written by :func:`save`) for the engine study's
+measurements whose section is a function of their store alone. Written
 from a store that is missing, or that lacks what the section reads, the section's figures would
 become "no runs". So a report command loads its stores through :func:`load` (or calls
 :func:`refuse` on what is lacking) before it writes anything: the command exits non-zero, names
@@ -16,10 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["DOC", "load", "refuse", "shown"]
+__all__ = ["DOC", "STORED", "load", "refuse", "save", "shown"]
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
+STORED = ROOT / "benchmarks" / "stored"  # the engine study's committed stores (one JSON file per section)
 
 
 def shown(path: Path) -> str:
@@ -53,3 +56,13 @@ def load(path: Path, command: str, doc: Path = DOC, note: str = "",
     if not data:
         refuse(path, command, doc, note=note)
     return data
+
+
+def save(path: Path, data: Any) -> None:
+    """``data`` at ``path`` as compact JSON (one line; keys in their order, which a section may read
+    its rows in), written whole or not at all."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, separators=(",", ":"), allow_nan=False) + "\n")
+    tmp.replace(path)

@@ -30,7 +30,10 @@ About 3 minutes on a 2-CPU machine.
 
 The result replaces the section between ``<!-- bench_dist -->`` and
 ``<!-- /bench_dist -->`` in ``docs/benchmarks.md`` (created if absent; other
-sections are left as they are). ``--no-write`` only prints.
+sections are left as they are). ``--no-write`` only prints. The measurement is kept in
+``benchmarks/stored/bench_dist.json`` (committed, with the machine it was made on), and the
+section is written from it alone, so a clone rebuilds it (``tests/test_stored_sections.py``);
+``--report-only`` writes the section again from that store, measuring nothing.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
+STORE = ROOT / "benchmarks" / "stored" / "bench_dist.json"  # benchmarks._store.STORED (run as a script too)
+COMMAND = "python benchmarks/bench_dist.py"
 BEGIN, END = "<!-- bench_dist -->", "<!-- /bench_dist -->"
 VARIANTS = ("ddp", "ddp+hook", "hpx", "hpx-noguard", "independent")
 EXTRA = ("ddp+pyhook",)  # DDP with torch's own Python all-reduce hook: what any Python hook costs
@@ -73,7 +78,10 @@ def _args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help=f"comma-separated, 'ddp' first (default all of {', '.join(VARIANTS)}; also: "
                         f"{', '.join(EXTRA)})")
-    p.add_argument("--no-write", action="store_true", help="print only; leave docs/benchmarks.md")
+    p.add_argument("--no-write", action="store_true",
+                   help="print only; leave the store and docs/benchmarks.md")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: the section from the committed store")
     p.add_argument("--out", help=argparse.SUPPRESS)  # worker: where rank 0 writes its JSON
     return p.parse_args(argv)
 
@@ -239,7 +247,17 @@ def _pct(r: float) -> str:
     return f"{100 * (r - 1):+.1f}%"
 
 
-def _section(args: argparse.Namespace, argv: list[str], result: dict, summary: dict, wall: float) -> str:
+def machine() -> tuple[str, int]:
+    """This machine, as the section names the one it was measured on, and its logical cores."""
+    cpus = os.cpu_count() or 1
+    return (f"{cpus} CPUs ({platform.machine()}), {platform.system()}, Python {platform.python_version()}, "
+            f"torch {torch.__version__}", cpus)
+
+
+def _section(args: argparse.Namespace, argv: list[str], result: dict, summary: dict, wall: float,
+             on: tuple[str, int] | None = None) -> str:
+    """The section's text; ``on``: the machine it was measured on and its cores (default: this one)."""
+    on_, cpus = on or machine()
     rows = []
     for name in result["times"]:
         s = summary[name]
@@ -247,7 +265,7 @@ def _section(args: argparse.Namespace, argv: list[str], result: dict, summary: d
                     f"| {_pct(s['wall_lo'])} to {_pct(s['wall_hi'])} | {s['cpu']:.3f} ({_pct(s['cpu'])}) "
                     f"| {_pct(s['cpu_lo'])} to {_pct(s['cpu_hi'])} |")
     load = ", ".join(f"{x:.1f}" for x in result["load"])
-    busy = " (the machine was shared with other work)." if result["load"][0] > (os.cpu_count() or 1) else "."
+    busy = " (the machine was shared with other work)." if result["load"][0] > cpus else "."
     return "\n".join([
         BEGIN,
         "## torch.distributed: hpx over plain DDP (gloo, CPU)",
@@ -256,8 +274,7 @@ def _section(args: argparse.Namespace, argv: list[str], result: dict, summary: d
         f"(it starts `torchrun --nproc_per_node={args.nproc}` "
         f"on itself; this run took {wall:.0f} s).",
         "",
-        f"Machine: {os.cpu_count()} CPUs ({platform.machine()}), {platform.system()}, "
-        f"Python {platform.python_version()}, torch {torch.__version__}; {result['world']} gloo ranks "
+        f"Machine: {on_}; {result['world']} gloo ranks "
         f"with {args.threads} torch thread(s) each; load average at the end {load}{busy}",
         "",
         f"Model: MLP 64 -> {args.depth} x {args.width} -> 10 ({result['params'] / 1e6:.2f} M parameters), "
@@ -290,8 +307,25 @@ def _write_section(section: str) -> None:
     DOC.write_text(text)
 
 
+def stored_section(store: dict) -> str:
+    """The section as written from ``store`` (what :data:`STORE` holds): its summary recomputed
+    from the stored times (the bootstrap is seeded)."""
+    args = argparse.Namespace(**store["args"])
+    summary = _summary(store["result"], args.block)
+    on = (store["on"], store["cpus"])
+    return _section(args, store["argv"], store["result"], summary, store["wall"], on)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
+    if args.report_only:
+        sys.path.insert(0, str(ROOT))  # run as a script: the repository's benchmarks package
+        from benchmarks import _store
+
+        section = stored_section(_store.load(STORE, COMMAND, DOC, "about 3 min"))
+        print(section)
+        _write_section(section)
+        return
     variants = args.variants.split(",")
     if variants[0] != "ddp" or not set(variants) <= set(VARIANTS + EXTRA) or args.steps < args.block:
         raise SystemExit(f"--variants must start with ddp and name only {', '.join(VARIANTS + EXTRA)} "
@@ -309,11 +343,15 @@ def main(argv: list[str] | None = None) -> None:
         subprocess.run(cmd, check=True, env=env)
         wall = time.perf_counter() - start
         result = json.loads(out.read_text())
-    summary = _summary(result, args.block)
     shown = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--no-write"]
-    section = _section(args, shown, result, summary, wall)
+    on, cpus = machine()
+    store = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "no_write", "report_only")},
+             "argv": shown, "result": result, "wall": wall, "on": on, "cpus": cpus}
+    section = stored_section(store)
     print(section)
     if not args.no_write:
+        STORE.parent.mkdir(parents=True, exist_ok=True)
+        STORE.write_text(json.dumps(store, separators=(",", ":")) + "\n")
         _write_section(section)
         print(f"\nwrote {DOC.relative_to(ROOT)}")
 

@@ -2,6 +2,11 @@
 
     python -m benchmarks.bench_step            # writes the bench_step section of docs/benchmarks.md
     python -m benchmarks.bench_step --no-write
+    python -m benchmarks.bench_step --report-only  # the section again from the committed store
+
+The measurement is kept in ``benchmarks/stored/bench_step.json`` (committed, with the machine it
+was made on), and the section is written from it alone, so a clone rebuilds it
+(``tests/test_stored_sections.py``).
 
 The hand-written loop: N plain copies of the model and N SGD optimizers; per step each copy
 runs forward and backward on its chunk of the batch, the gradients are averaged with
@@ -26,11 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks import report
+from benchmarks import _store, report
 from benchmarks.timing import hand_average, side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
+STORE = _store.STORED / "bench_step.json"
+COMMAND = "python -m benchmarks.bench_step"
 
 
 def _model() -> nn.Module:
@@ -108,13 +115,19 @@ def measure_autolr(rounds: int, reps: int) -> dict[str, float]:
     return {"step_hpx": hpx_s, "step_hand": hand_s}
 
 
+def machine() -> str:
+    """This machine, as the section names the one it was measured on."""
+    return (f"{platform.machine()}, {torch.get_num_threads()} torch thread(s); Python "
+            f"{platform.python_version()}, torch {torch.__version__}")
+
+
 def section(rows: list[dict[str, float]], wall: float, command: str,
-            auto: dict[str, float] | None = None) -> str:
+            auto: dict[str, float] | None = None, on: str | None = None) -> str:
+    """The section's text; ``on``: the machine it was measured on (default: this one)."""
     lines = [
         "## In-process engine against a hand-written shared-gradient loop",
         "",
-        f"Command: `{command}` ({wall:.0f} s) on {platform.machine()}, {torch.get_num_threads()} torch "
-        f"thread(s); Python {platform.python_version()}, torch {torch.__version__}. MLP 512-1536-1024-10 "
+        f"Command: `{command}` ({wall:.0f} s) on {on or machine()}. MLP 512-1536-1024-10 "
         f"({rows[0]['params'] / 1e6:.2f} M parameters), a batch of 32 per replica, SGD with momentum. "
         "What each side does: the docstring of `benchmarks/bench_step.py`. CPU time, medians of "
         "alternating blocks. Targets: step <= 1.02x, sync <= 1.2x, amortised at T = 100 <= 1.03x.",
@@ -142,18 +155,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replicas", default="2,4,8")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--no-write", action="store_true", help="print only: neither the store nor the docs")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: the section from the committed store")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    rows = [measure(int(n), args.rounds, args.reps) for n in args.replicas.split(",")]
-    auto = measure_autolr(args.rounds, args.reps)
-    shown = " ".join(a for a in (argv or []) if a != "--no-write")
-    command = f"python -m benchmarks.bench_step {shown}".strip()
-    text = section(rows, time.perf_counter() - start, command, auto)
+    if args.report_only:
+        store = _store.load(STORE, COMMAND, DOC, "about 15 s")
+    else:
+        torch.set_num_threads(1)
+        start = time.perf_counter()
+        rows = [measure(int(n), args.rounds, args.reps) for n in args.replicas.split(",")]
+        auto = measure_autolr(args.rounds, args.reps)
+        shown = " ".join(a for a in (argv or []) if a != "--no-write")
+        store = {"rows": rows, "auto": auto, "wall": time.perf_counter() - start,
+                 "command": f"{COMMAND} {shown}".strip(), "on": machine()}
+        if not args.no_write:
+            _store.save(STORE, store)
+    text = stored_section(store)
     print(text)
     if not args.no_write:
         report.write_section(DOC, "bench_step", text)
+
+
+def stored_section(store: dict) -> str:
+    """The section as written from ``store`` (what :data:`STORE` holds)."""
+    return section(store["rows"], store["wall"], store["command"], store["auto"], store["on"])
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python -m benchmarks.forks_memory             # writes the forks-memory section of docs/benchmarks.md
     python -m benchmarks.forks_memory --no-write
+    python -m benchmarks.forks_memory --report-only  # the section again from the committed store
 
 Two models on scikit-learn's bundled digits (64 features, batches of 64), AdamW with OneCycleLR:
 
@@ -21,6 +22,10 @@ The children run with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every te
 more on its own and unmaps it when it is freed, so the resident peak is the peak of live tensors.
 With glibc's default (a threshold that rises as large blocks are freed) freed tensors stay in the
 heap, and the same plain loop measured 280-340 MiB from one run to the next.
+
+The measurement is kept in ``benchmarks/stored/forks_memory.json`` (committed, with the machine it
+was made on), and the section is written from it alone, so a clone rebuilds it
+(``tests/test_stored_sections.py``).
 """
 
 from __future__ import annotations
@@ -39,9 +44,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from benchmarks import _store
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 MARKER = "forks-memory"
+STORE = _store.STORED / "forks_memory.json"
+COMMAND = "python -m benchmarks.forks_memory"
 KINDS = ("full", "frozen")
 METHODS = ("plain", "forks")
 STEPS = 40
@@ -159,11 +168,17 @@ RANKS = 4
 SPREAD = ("forks/ranks", "forks/sharded")  # under torchrun: every fork on every rank; each fork sharded
 
 
-def section(res: dict, command: str, wall: float) -> str:
+def machine() -> str:
+    """This machine, as the section names the one it was measured on."""
+    return (f"{platform.machine()}, 1 torch thread; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def section(res: dict, command: str, wall: float, on: str | None = None) -> str:
+    """The section's text; ``on``: the machine it was measured on (default: this one)."""
     mib = 2 ** 20
     lines = ["## Forks' peak memory against plain training", "",
-             f"Command: `{command}` ({wall:.0f} s) on {platform.machine()}, 1 torch thread; Python "
-             f"{platform.python_version()}, torch {torch.__version__}. What is measured: the docstring of "
+             f"Command: `{command}` ({wall:.0f} s) on {on or machine()}. What is measured: the docstring of "
              "`benchmarks/forks_memory.py` (fresh processes; peak resident memory over the process's "
              f"baseline; AdamW, {STEPS} steps, Forks at its defaults).", "",
              "| model | parameters (trained) | plain MiB | Forks MiB | Forks / plain |",
@@ -196,18 +211,33 @@ def main(argv: list[str] | None = None) -> dict:
         _child(argv[1], argv[2], int(argv[3]), int(argv[4]))
         return {}
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--no-write", action="store_true", help="print the table only")
+    p.add_argument("--no-write", action="store_true",
+                   help="print the table only: neither the store nor the docs")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: the section from the committed store")
     a = p.parse_args(argv)
-    t0 = time.perf_counter()
-    res: dict[str, Any] = {k: {m: measure(k, m) for m in METHODS} for k in KINDS}
-    res["ranks"] = {m: measure("full", m, ranks=RANKS) for m in SPREAD}
-    text = section(res, "python -m benchmarks.forks_memory", time.perf_counter() - t0)
+    if a.report_only:
+        store = _store.load(STORE, COMMAND, DOC, "about 7 min")
+        res = store["res"]
+    else:
+        t0 = time.perf_counter()
+        res: dict[str, Any] = {k: {m: measure(k, m) for m in METHODS} for k in KINDS}
+        res["ranks"] = {m: measure("full", m, ranks=RANKS) for m in SPREAD}
+        store = {"res": res, "wall": time.perf_counter() - t0, "command": COMMAND, "on": machine()}
+        if not a.no_write:
+            _store.save(STORE, store)
+    text = stored_section(store)
     print(text)
     if not a.no_write:
         from benchmarks.report import write_section
 
         write_section(DOC, MARKER, text)
     return res
+
+
+def stored_section(store: dict) -> str:
+    """The section as written from ``store`` (what :data:`STORE` holds)."""
+    return section(store["res"], store["command"], store["wall"], store["on"])
 
 
 if __name__ == "__main__":

@@ -459,8 +459,11 @@ def plot_all(cfg: SuiteConfig, results: dict, analysis: dict, img: Path, prefix:
 
 
 def quality_section(cfg: SuiteConfig, results: dict, analysis: dict, command: str, img_rel: str,
-                    findings: str = "") -> str:
+                    findings: str = "", on: str | None = None, stored: str | None = None) -> str:
+    """The section's text; ``on``: the machine the runs were made on (default: this one);
+    ``stored``: where the raw results are kept (default ``runs/benchmarks/<mode>.json``)."""
     tasks = analysis["tasks"]
+    stored = stored or f"runs/benchmarks/{cfg.mode}.json"
     settings = []
     for t, info in tasks.items():
         grid = ", ".join(f"{r['lr']:.3g}" for r in info["grid"])
@@ -489,7 +492,7 @@ def quality_section(cfg: SuiteConfig, results: dict, analysis: dict, command: st
     out = f"""## Quality against a grid-search oracle, stability, ablations, the signal
 
 Produced by `{command}` ({cfg.mode} mode) in {analysis['wall'] / 60:.1f} min with {analysis['jobs']} worker
-process(es), on {machine()}. Raw results: `runs/benchmarks/{cfg.mode}.json` (regenerate this section
+process(es), on {on or machine()}. Raw results: `{stored}` (regenerate this section
 from them with `python -m benchmarks --{cfg.mode} --report-only`).
 
 **Setup.** Data ships with installed packages (scikit-learn's digits; CPython's `pydoc_data.topics`):
@@ -597,12 +600,13 @@ the smallest absolute cosine between two replicas' deviations from their mean (1
     return out
 
 
-def overhead_section(ov: dict, command: str) -> str:
+def overhead_section(ov: dict, command: str, on: str | None = None) -> str:
+    """The section's text; ``on``: the machine it was measured on (default: this one)."""
     block = ov["rows"][0]["block"] if ov["rows"] else "?"
     blocks = ov["rows"][0]["blocks"] if ov["rows"] else "?"
     return f"""## Overhead of the in-process engine
 
-Produced by `{command}` on {machine()}. One `Engine.step` (4 replicas, shared gradients,
+Produced by `{command}` on {on or machine()}. One `Engine.step` (4 replicas, shared gradients,
 T = 100, `IntervalLoss`, the task's knobs with a schedule) against 4 plain model + optimizer steps
 on the same chunks (zero_grad, forward, backward, step, lr written), in alternating blocks of
 {block} steps ({blocks} blocks each, measured side by side in one process).

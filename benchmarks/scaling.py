@@ -2,6 +2,11 @@
 
     python -m benchmarks.scaling             # writes the scaling section of docs/benchmarks.md
     python -m benchmarks.scaling --no-write
+    python -m benchmarks.scaling --report-only  # the section again from the committed store
+
+The measurement is kept in ``benchmarks/stored/scaling.json`` (committed, with the machine it was
+made on), and the section is written from it alone, so a clone rebuilds it
+(``tests/test_stored_sections.py``).
 
 Sync cost (in one process, CPU time, medians of alternating blocks): ``Engine.converge()`` (the
 weighted average of weights and buffers, with the check that they are finite) against a
@@ -36,11 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks import report
+from benchmarks import _store, report
 from benchmarks.timing import hand_average, side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
+STORE = _store.STORED / "scaling.json"
+COMMAND = "python -m benchmarks.scaling"
 WIDTHS = {0.22: 256, 0.83: 512, 3.2: 1024, 12.7: 2048}  # about this many M parameters -> hidden width
 
 
@@ -192,11 +199,17 @@ def memory(kind: str, n: int, width: int, optimizer: str) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])["bytes"]
 
 
-def section(res: dict, wall: float, command: str) -> str:
+def machine() -> str:
+    """This machine, as the section names the one it was measured on."""
+    return (f"{platform.machine()}, 1 torch thread; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def section(res: dict, wall: float, command: str, on: str | None = None) -> str:
+    """The section's text; ``on``: the machine it was measured on (default: this one)."""
     mib = 2 ** 20
     lines = ["## How costs grow: parameters, replicas, knobs, memory", "",
-             f"Command: `{command}` ({wall:.0f} s) on {platform.machine()}, 1 torch thread; Python "
-             f"{platform.python_version()}, torch {torch.__version__}. What is measured: the docstring of "
+             f"Command: `{command}` ({wall:.0f} s) on {on or machine()}. What is measured: the docstring of "
              "`benchmarks/scaling.py`. Sync: `Engine.converge()` against a hand-written foreach average of "
              "the same tensors, CPU time.", "",
              "| parameters | replicas | sync: hpx ms | by hand ms | ratio "
@@ -264,8 +277,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--no-write", action="store_true", help="print only: neither the store nor the docs")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: the section from the committed store")
     args = ap.parse_args(argv)
+    if args.report_only:
+        _write(_store.load(STORE, COMMAND, DOC, "about 5 min"), write=True)
+        return
     torch.set_num_threads(1)
     start = time.perf_counter()
     res: dict = {"sync": [], "knobs": [], "memory": {}}
@@ -287,9 +305,22 @@ def main(argv: list[str] | None = None) -> None:
     res["transient_n"] = 4
     res["transient"] = {d: transient(d, 4, width) for d in ("float32", "bfloat16")}
     shown = " ".join(a for a in argv if a != "--no-write")
-    text = section(res, time.perf_counter() - start, f"python -m benchmarks.scaling {shown}".strip())
-    print(text)
+    store = {"res": res, "wall": time.perf_counter() - start, "command": f"{COMMAND} {shown}".strip(),
+             "on": machine()}
     if not args.no_write:
+        _store.save(STORE, store)
+    _write(store, write=not args.no_write)
+
+
+def stored_section(store: dict) -> str:
+    """The section as written from ``store`` (what :data:`STORE` holds)."""
+    return section(store["res"], store["wall"], store["command"], store["on"])
+
+
+def _write(store: dict, write: bool) -> None:
+    text = stored_section(store)
+    print(text)
+    if write:
         report.write_section(DOC, "scaling", text)
 
 

@@ -2,6 +2,11 @@
 
     python -m benchmarks.vmap_probe            # writes the vmap_probe section of docs/benchmarks.md
     python -m benchmarks.vmap_probe --no-write
+    python -m benchmarks.vmap_probe --report-only  # the section again from the committed store
+
+The measurement is kept in ``benchmarks/stored/vmap_probe.json`` (committed, with the machine it
+was made on), and the section is written from it alone, so a clone rebuilds it
+(``tests/test_stored_sections.py``).
 
 What hpx's in-process engine does today for N replicas: N forward and backward passes, one per
 model, on each replica's share of the batch (Python and kernel-launch overheads paid N times).
@@ -25,11 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
-from benchmarks import report
+from benchmarks import _store, report
 from benchmarks.timing import side_by_side
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
+STORE = _store.STORED / "vmap_probe.json"
+COMMAND = "python -m benchmarks.vmap_probe"
 
 
 def _mlp(width: int, seed: int) -> nn.Module:
@@ -72,10 +79,16 @@ def measure(width: int, n: int, rounds: int, reps: int) -> dict[str, float]:
             "separate": t_sep, "vmap": t_vmap}
 
 
-def section(rows: list[dict[str, float]], wall: float, command: str) -> str:
+def machine() -> str:
+    """This machine, as the section names the one it was measured on."""
+    return (f"{platform.machine()}, 1 torch thread; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def section(rows: list[dict[str, float]], wall: float, command: str, on: str | None = None) -> str:
+    """The section's text; ``on``: the machine it was measured on (default: this one)."""
     lines = ["## N small replicas as one batched model (torch.func), measured", "",
-             f"Command: `{command}` ({wall:.0f} s) on {platform.machine()}, 1 torch thread; Python "
-             f"{platform.python_version()}, torch {torch.__version__}. What is compared: the docstring of "
+             f"Command: `{command}` ({wall:.0f} s) on {on or machine()}. What is compared: the docstring of "
              "`benchmarks/vmap_probe.py` (forward and backward of N replicas, a batch of 16 each; the same "
              "gradients, checked).", "",
              "| parameters per replica | replicas | N models ms | one vmap ms | N models / vmap |",
@@ -104,16 +117,30 @@ def section(rows: list[dict[str, float]], wall: float, command: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--no-write", action="store_true", help="print only: neither the store nor the docs")
+    ap.add_argument("--report-only", action="store_true",
+                    help="measure nothing: the section from the committed store")
     args = ap.parse_args(argv)
-    torch.set_num_threads(1)
-    start = time.perf_counter()
-    rows = [measure(w, n, args.rounds, 20 if w <= 64 else 5) for w in (32, 128, 512) for n in (4, 8)]
-    shown = " ".join(a for a in (argv or []) if a != "--no-write")
-    text = section(rows, time.perf_counter() - start, f"python -m benchmarks.vmap_probe {shown}".strip())
+    if args.report_only:
+        store = _store.load(STORE, COMMAND, DOC, "about 10 s")
+    else:
+        torch.set_num_threads(1)
+        start = time.perf_counter()
+        rows = [measure(w, n, args.rounds, 20 if w <= 64 else 5) for w in (32, 128, 512) for n in (4, 8)]
+        shown = " ".join(a for a in (argv or []) if a != "--no-write")
+        store = {"rows": rows, "wall": time.perf_counter() - start, "command": f"{COMMAND} {shown}".strip(),
+                 "on": machine()}
+        if not args.no_write:
+            _store.save(STORE, store)
+    text = stored_section(store)
     print(text)
     if not args.no_write:
         report.write_section(DOC, "vmap_probe", text)
+
+
+def stored_section(store: dict) -> str:
+    """The section as written from ``store`` (what :data:`STORE` holds)."""
+    return section(store["rows"], store["wall"], store["command"], store["on"])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The report commands write a section of docs/benchmarks.md from results stored under ``runs/``
-(gitignored: a fresh clone has none). From a store that is missing, empty or short of a task they
+"""The report commands write a section of docs/benchmarks.md from stored results (under ``runs/``,
+gitignored, which a fresh clone has none of, or committed, where a store is missing until its
+command has run). From a store that is missing, empty or short of a task they
 must exit naming the store and the command that makes it, and leave the docs byte for byte as
 they were; and the bar's cost row reads the optimizer steps the cost command stores.
 
@@ -127,9 +128,9 @@ def test_the_benchmarks_report_only_refuses_a_missing_or_empty_results_file(tmp_
     before = doc.read_bytes()
     monkeypatch.setattr(bench, "ROOT", tmp_path)  # the default results file and docs, under tmp_path
     report = lambda: bench.main(["--full", "--report-only"])  # noqa: E731
-    _refused(report, str(Path("runs", "benchmarks", "full.json")) + " is missing",
+    _refused(report, str(Path("benchmarks", "stored", "full.json")) + " is missing",
              "`python -m benchmarks --full`", str(doc))
-    results = tmp_path / "runs" / "benchmarks" / "full.json"
+    results = tmp_path / "benchmarks" / "stored" / "full.json"
     results.parent.mkdir(parents=True)
     results.write_text("{}")
     _refused(report, "full.json holds no results", "`python -m benchmarks --full`")
@@ -171,3 +172,23 @@ def test_the_bars_cost_row_reads_the_stored_optimizer_steps_against_2x(lr_stores
         assert row.startswith(f"optimizer steps not stored for {n} of {n} tasks: `python -m "
                               "benchmarks.lr.cost` stores those")
         assert "(met)" not in row and "(not met)" not in row  # no verdict without the steps
+
+
+@pytest.mark.parametrize("name", ["vmap_probe", "bench_step", "scaling", "forks_memory", "bench_dist"])
+def test_an_engine_study_report_only_refuses_a_missing_or_empty_store(name, tmp_path, monkeypatch):
+    import importlib
+
+    module = importlib.import_module(f"benchmarks.{name}")
+    doc = tmp_path / "benchmarks.md"
+    shutil.copy(DOCS, doc)
+    before = doc.read_bytes()
+    store = tmp_path / "stored" / f"{name}.json"
+    monkeypatch.setattr(module, "STORE", store)
+    monkeypatch.setattr(module, "DOC", doc)
+    report = lambda: module.main(["--report-only"])  # noqa: E731
+    _refused(report, f"{name}.json is missing", f"`{module.COMMAND}`", str(doc))
+    assert doc.read_bytes() == before
+    store.parent.mkdir()
+    store.write_text("{}")
+    _refused(report, f"{name}.json holds no results", f"`{module.COMMAND}`")
+    assert doc.read_bytes() == before

@@ -1,7 +1,7 @@
-"""The sections of docs/benchmarks.md written from the learning-rate suite's committed stores
-(``benchmarks/lr/stored/``) are rebuilt here from those stores by the functions their report
-commands write them with, and must equal the committed text byte for byte: a figure in the docs
-is one a clone re-derives (issue 41).
+"""The sections of docs/benchmarks.md written from committed stores (the learning-rate suite's in
+``benchmarks/lr/stored/``, the engine study's measurements in ``benchmarks/stored/``) are rebuilt
+here from those stores by the functions their commands write them with, and must equal the
+committed text byte for byte: a figure in the docs is one a clone re-derives (issue 41).
 
 Nothing here trains: each section is read from stored runs only. A section whose stores are not
 all committed yet is skipped, naming the store and the command that makes it; each method's
@@ -20,9 +20,9 @@ pytest.importorskip("sklearn")
 pytest.importorskip("transformers")
 pytest.importorskip("pydoc_data.topics")
 
-from benchmarks import _store
+from benchmarks import _store, bench_dist, bench_step, forks_memory, scaling, vmap_probe
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, cost, noise
+from benchmarks.lr import bar, coexplore, cost, noise
 from benchmarks.lr.tasks import TASKS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -95,6 +95,14 @@ def test_the_bars_section_is_its_committed_stores_read():
     assert committed("lr-bar") == f"\n## {bar.TITLE}\n\n{bar.markdown('Forks')}"
 
 
+@pytest.mark.parametrize("route", coexplore.ROUTES)
+def test_the_coexplore_sections_tables_are_its_committed_store_read(route):
+    needs(bar.COEXPLORE)  # the prose around the tables is written by hand
+    shown = coexplore.tables_in(committed("coexplore"))[route]
+    store = json.loads(bar.COEXPLORE.read_text())
+    assert shown == "\n".join(coexplore.table(store, suite._load(suite.GRIDS), coexplore.ROUTES[route]))
+
+
 def test_the_cost_section_is_its_committed_store_read():
     needs(cost.COST)
     text = committed("lr-cost")
@@ -102,3 +110,37 @@ def test_the_cost_section_is_its_committed_store_read():
                   text)
     md = cost.section(json.loads(cost.COST.read_text()), int(m.group(1)), m.group(2).split(), m.group(3))
     assert text == md[len("<!-- lr-cost -->"):-len("<!-- /lr-cost -->")]
+
+
+# the engine study's sections whose command keeps its measurement in benchmarks/stored/ (with the
+# machine it was made on) and writes the section from that store alone
+ENGINE = {"vmap_probe": vmap_probe, "bench_step": bench_step, "scaling": scaling,
+          "forks-memory": forks_memory, "bench_dist": bench_dist}
+
+
+@pytest.mark.parametrize("marker", ENGINE)
+def test_an_engine_study_section_is_its_committed_store_read(marker):
+    module = ENGINE[marker]
+    if not module.STORE.exists():
+        pytest.skip(f"not committed yet: {_store.shown(module.STORE)} (`{module.COMMAND}`)")
+    text = module.stored_section(json.loads(module.STORE.read_text()))
+    if marker == "bench_dist":  # its section carries its own markers
+        text = text[len(bench_dist.BEGIN):-len(bench_dist.END)]
+    else:  # benchmarks.report.write_section puts the stripped text between the markers
+        text = f"\n{text.strip()}\n"
+    assert committed(marker) == text
+
+
+@pytest.mark.parametrize("marker", ["bench_quality", "bench_overhead"])
+def test_the_engine_benchmarks_sections_are_their_committed_store_read(marker):
+    from benchmarks import __main__ as bench
+    from benchmarks.suite import SuiteConfig
+
+    path = bench.results_path("full")
+    if not path.exists():
+        pytest.skip(f"not committed yet: {_store.shown(path)} (`python -m benchmarks --full`)")
+    command = "python -m benchmarks --full"
+    texts, _, _ = bench.sections(SuiteConfig(), bench.load_results(path), command, "img",
+                                 bench.FINDINGS.read_text(), _store.shown(path))
+    assert marker in texts, f"{_store.shown(path)} holds nothing the {marker} section is written from"
+    assert committed(marker) == f"\n{texts[marker].strip()}\n"

@@ -16,7 +16,10 @@ Each starts from two cells:
 * the best lr with the knob value whose plain run is worst, if it is at least 5% worse than the
   2-D best (bar: better than plain training there).
 
-Results go to ``benchmarks/lr/stored/coexplore.json`` (committed). The first three pairs are
+Results go to ``benchmarks/lr/stored/coexplore.json`` (committed). Run with both routes, the
+command writes the two tables of the ``coexplore`` section of docs/benchmarks.md from that store
+(:func:`write_tables`; ``tests/test_stored_sections.py`` rebuilds them from the committed store);
+the section's prose around them is written by hand. The first three pairs are
 design tasks; two (moons_dropout, char_gru_adamw) were held-out tasks when the routes ran, added
 after the design ones were read, with their values fixed before either route ran on them
 (moons_dropout is a design task of the suite since: the table says "then"). The last two, whose
@@ -36,7 +39,7 @@ from typing import Any
 import torch
 
 import hpx
-from benchmarks.lr.__main__ import GRIDS, SEEDS, STORED, _load, _save, best_of_grid
+from benchmarks.lr.__main__ import DOC, GRIDS, SEEDS, STORED, _load, _save, best_of_grid
 from benchmarks.lr.run import plain_train
 from benchmarks.lr.tasks import HELD_OUT, Task, get_task
 from hpx.schedule._shadow import read_schedule
@@ -208,7 +211,35 @@ def main(argv: list[str] | None = None) -> int:
     _execute(starts, store, a.jobs)
     for route, m in zip(a.route, methods):
         print(f"\n{route}:\n" + "\n".join(table(store, grids, m)))
+    if set(a.route) == set(ROUTES):
+        write_tables(store, grids)
     return 0
+
+
+ROUTES = {"forks": "forks", "engine": "hpx"}  # the section's heading of a route -> its runs' method
+
+
+def tables_in(section: str) -> dict[str, str]:
+    """The table under each route's heading (``### forks``, ``### engine``) of the section's text."""
+    out = {}
+    for route in ROUTES:
+        head = f"\n### {route}\n\n"
+        start = section.index(head) + len(head)
+        end = section.index("\n\n", start)
+        out[route] = section[start:end]
+    return out
+
+
+def write_tables(store: dict[str, Any], grids: dict[str, Any]) -> None:
+    """Each route's table into the ``coexplore`` section of docs/benchmarks.md, in place of the one
+    there (the prose around them is left as it is)."""
+    text = DOC.read_text()
+    start, end = text.index("<!-- coexplore -->"), text.index("<!-- /coexplore -->")
+    section = text[start:end]
+    for route, old in tables_in(section).items():
+        new = "\n".join(table(store, grids, ROUTES[route]))
+        section = section.replace(f"\n### {route}\n\n{old}\n\n", f"\n### {route}\n\n{new}\n\n")
+    DOC.write_text(text[:start] + section + text[end:])
 
 
 def _execute(runs: list[tuple[str, str, float, float, int]], store: dict[str, Any], jobs: int) -> None:
