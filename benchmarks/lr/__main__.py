@@ -76,6 +76,11 @@ def suite_runs(method: str, tasks: list[str], grids: dict[str, Any], steps: int 
 
 
 def _save(path: Path, data: dict[str, Any]) -> None:
+    """Write a store; a committed one (:data:`STORED`) without each run's decision history, which no
+    report reads (autolr's holds every sync: megabytes where the reports read a few numbers a run)."""
+    if path.parent.resolve() == STORED.resolve():
+        data = {k: {f: v for f, v in r.items() if f != "history"} if isinstance(r, dict) else r
+                for k, r in data.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(compact(data))
