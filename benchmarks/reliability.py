@@ -771,7 +771,7 @@ def _table(rows: list[Row], wall: float, command: str) -> str:
               "same error, on every rank. Its cost is one gradient-sized all-reduce per sync. Under "
               "DDP the gradient all-reduces are DDP's own: uneven inputs there are DDP's to handle "
               "(its `join()`).", ""]
-    lines += FORKS_CHECKPOINT_SECTION + FORKS_RUN_SECTION + FORKS_MISUSE_SECTION
+    lines += FORKS_CHECKPOINT_SECTION + FORKS_RUN_SECTION + FORKS_RANKS_SECTION + FORKS_MISUSE_SECTION
     return "\n".join(lines)
 
 
@@ -897,6 +897,38 @@ FORKS_RUN_SECTION = [
     "| fault injected | where | what happens | test |",
     "| --- | --- | --- | --- |",
     *[f"| {fault} | {where} | {when} | `{test}` |" for fault, where, when, test in FORKS_RUN_ROWS],
+    "",
+]
+
+
+FORKS_RANKS_ROWS = [  # (fault, where, what happens, the test in tests/test_forks_ranks.py that checks it)
+    ("the last rank runs one step fewer, skips a batch, takes one step more, or stops early",
+     "2 and 3 gloo ranks", "`ConsistencyError` on every rank naming the different step counts, within "
+     "60 s (it hung until the process group's timeout, or ended in a bare gloo error)",
+     "test_ranks_that_step_unevenly_or_build_another_lr_raise_on_every_rank_without_hanging"),
+    ("one rank's optimizer built at another lr; one rank setting another lr mid-run through `each()`",
+     "2 and 3 gloo ranks", "`ConsistencyError` on every rank: at the first step, and at the next decision "
+     "naming the rank (the ranks trained apart, only rank 0's decisions applied)",
+     "test_ranks_that_step_unevenly_or_build_another_lr_raise_on_every_rank_without_hanging"),
+    ("a parameter some ranks' losses reach and others' do not (a branch chosen by the data)",
+     "2 gloo ranks", "`ConsistencyError` naming it at the first decision (summed into another parameter's "
+     "gradient, or a gloo abort)",
+     "test_a_parameter_reached_on_some_ranks_only_is_named_at_the_first_decision"),
+    ("a checkpoint resumed on more processes than saved it", "2 then 3 gloo ranks",
+     "refused naming both counts", "test_resuming_on_more_processes_than_saved_is_refused_naming_the_count"),
+]
+FORKS_RANKS_SECTION = [
+    "## hpx.Forks over ranks that disagree",
+    "",
+    "Checked by the tests named (`pytest tests/test_forks_ranks.py`, real gloo processes, not rerun by this "
+    "benchmark). Before every decision, `converge()` and a load, each rank sends one all-reduce shaped as "
+    "a step's first gradient bucket with a marker where the counts go, then every fork's settings are "
+    "compared across the ranks. With `shard=` the step's collectives are FSDP's, which the marker cannot "
+    "meet: uneven steps there are not caught (docs/distributed.md).",
+    "",
+    "| fault | where | what happens | test |",
+    "| --- | --- | --- | --- |",
+    *[f"| {fault} | {where} | {when} | `{test}` |" for fault, where, when, test in FORKS_RANKS_ROWS],
     "",
 ]
 

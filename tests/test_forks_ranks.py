@@ -192,3 +192,13 @@ def test_ranks_that_step_unevenly_or_build_another_lr_raise_on_every_rank_withou
         assert f"ranks [{world - 1}] disagree with rank 0" in msg and seconds < 60
     assert any("another rank was at a training step" in r["fewer"][0] for r in ranks)
     assert any("met another rank's decision, converge()" in r["fewer"][0] for r in ranks)
+
+
+def test_the_reliability_doc_holds_the_ranks_table_naming_these_tests():
+    from pathlib import Path
+
+    from benchmarks import reliability
+
+    assert all(callable(globals().get(test)) for *_, test in reliability.FORKS_RANKS_ROWS)
+    doc = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
+    assert "\n".join(reliability.FORKS_RANKS_SECTION) in doc
