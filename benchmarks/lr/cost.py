@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if a.flush_denormal:
             torch.set_flush_denormal(False)  # torch's default
-    print(markdown(rows, a.repeats, a.method))
+    if rows:  # `--tasks` with none: the section rewritten from the store alone, nothing measured
+        print(markdown(rows, a.repeats, a.method))
     # the section is hpx's two searches', measured as the user's default numerics run them; tasks
     # measured now replace their stored rows (each row is side by side in itself), and the section
     # is written once the store holds every task
