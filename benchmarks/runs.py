@@ -21,6 +21,7 @@ import hpx
 from benchmarks.tasks import Task, get_task, warmup_flat
 from benchmarks.variants import VARIANTS, build_signal, make_controller, signal_cost
 from hpx.averaging import float_state
+from hpx.engine import _CONTROLLER_SETTINGS
 
 __all__ = ["RunSpec", "consensus_copy", "run"]
 
@@ -202,6 +203,9 @@ def _run_hpx(task: Task, spec: RunSpec) -> dict[str, Any]:
         settings["sync_every"] = max(1, task.sync_every // v["sync_div"])
     # True/False (hpx's controller or none), or an experimental controller object
     settings["controller"] = make_controller(v.get("controller", True), registry, settings, steps)
+    if not isinstance(settings["controller"], bool):  # built from hpx's controller settings: the engine
+        for key in _CONTROLLER_SETTINGS:                # refuses them beside a controller of one's own
+            settings.pop(key, None)
     engine = hpx.Engine(model, task.optimizer, registry, signal=signal, **settings)
     return _drive(task, spec, engine, signal, v.get("signal", "probe"))
 

@@ -113,3 +113,16 @@ def test_reliability_in_process_scenarios_of_this_round_survive(tmp_path):
     assert all(r.survived == r.runs and r.criterion for r in rows), rows
     table = reliability._table(rows, 1.0, "python -m benchmarks.reliability")
     assert "Runs: 5, survived: 5, lost: 0." in table and "| survived when |" in table
+
+
+@pytest.mark.parametrize("variant", ["warmup-only", "fast-stop-half"])
+def test_a_variant_with_a_controller_of_its_own_and_controller_settings_trains(variant):
+    """Its controller is built from the settings (meta_lr, momentum); the engine was handed them as
+    well and refuses them beside a controller of one's own, so `python -m benchmarks --full` stopped
+    at warmup-only."""
+    from benchmarks.runs import RunSpec, run
+    from benchmarks.variants import VARIANTS
+
+    assert VARIANTS[variant]["engine"]["meta_lr"] == 1.0 and isinstance(VARIANTS[variant]["controller"], dict)
+    out = run(RunSpec(task="mlp", kind="hpx", lr=0.3, seed=0, variant=variant, overrides=(("steps", 40),)))
+    assert math.isfinite(out["final"]["loss"]) and out["history"]
