@@ -100,8 +100,9 @@ def load_problems(root: Path, rank: int, engine: Any, step: int) -> list[str]:
             "a directory of its own) and load again. Nothing was loaded"]
 
 
-def taken_over(engine: Any, root: Path, rank: int, step: int) -> None:
-    """After a load: ``engine`` is the run whose ``step`` it loaded (its saves carry that identity)."""
-    saved = _sidecar_info(root / f"step-{step:09d}" / f"rank-{rank:05d}.pt").get(_KEY)
+def taken_over(engine: Any, path: Path) -> None:
+    """After a load from ``path`` (this rank's file, or for a rank the saved run did not have, another
+    rank's): ``engine`` is that run, and its saves carry its identity."""
+    saved = _sidecar_info(path).get(_KEY)
     if saved is not None:
         engine._run_id = saved

@@ -17,10 +17,8 @@ it count as complete, and what catches a file damaged later.
 it before changing anything, and restores the engine, your extra objects (LR schedulers,
 a ``GradScaler``, ...) and the random streams the trajectory depends on (torch's global
 generator, which draws dropout masks, CUDA's, Python's ``random`` and NumPy's), so that
-the resumed run continues as the uninterrupted one would have, bit for bit on CPU.
-
-Every file's digest carries its run's identity (:mod:`hpx._identity`): another run's steps in the
-directory are refused at a save and at a load.
+the resumed run continues as the uninterrupted one would have, bit for bit on CPU. Every digest
+carries its run's identity (:mod:`hpx._identity`): another run's steps are refused.
 
 Sharded replicas (:class:`hpx.backends.Mesh`, FSDP2): the models' and optimizers' shards and
 the search's starting point go through ``torch.distributed.checkpoint`` into
@@ -342,7 +340,7 @@ def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: 
     _act(engine, f"step {step}", lambda: _load_extras(state, extra),
          lambda: engine.load_state_dict(state["engine"]),
          lambda: _set_rng_state(state["rng"]) if rng else None)
-    taken_over(engine, root, rank, step)  # its saves go on under the run's identity
+    taken_over(engine, path)  # its saves go on under the run's identity
     return step
 
 
@@ -371,7 +369,8 @@ def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
     _together(engine, problems, f"step {step}")
     _act(engine, f"step {step}", lambda: _load_extras(own, extra),
          lambda: engine.load_elastic([st["engine"] for st in states]),
-         lambda: _set_rng_state(own["rng"]) if rng else None)
+         lambda: _set_rng_state(own["rng"]) if rng else None,
+         lambda: taken_over(engine, paths[min(rank, len(paths) - 1)]))
     return step
 
 
@@ -495,7 +494,8 @@ def _load_sharded(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
         eng["anchor"] = [local(t).clone() for t in shards["anchor"].values()]
     _act(engine, f"step {step}", lambda: _load_extras(own, extra),
          lambda: engine._resume_elastic(eng) if elastic else engine.load_state_dict(eng),
-         lambda: _set_rng_state(own["rng"]) if rng else None)
+         lambda: _set_rng_state(own["rng"]) if rng else None,
+         lambda: taken_over(engine, paths[min(procs.rank, len(paths) - 1)]))
     return step
 
 

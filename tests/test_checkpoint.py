@@ -189,6 +189,10 @@ def test_elastic_resume_with_another_replica_count(tmp_path, m):
     assert len(dst.values("lr")) == m and len(set(dst.values("lr"))) == m  # m distinct values
     _train(dst, counter, 16)  # and it trains on, through the next syncs
     assert [r.step for r in dst.history][-2:] == [12, 16]
+    # the resumed engine is the saved run: its next save goes into the run's directory beside the
+    # saved steps (refused as another run's before it took over the run's identity)
+    _train(dst, counter, 20, save_to=tmp_path)
+    assert hpx.load_checkpoint(tmp_path, _engine_n(m)) == 20
     assert all(len(r.values["lr"]) == m for r in dst.history[-2:])
 
 
