@@ -206,7 +206,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             lost_start: bool = False, average: bool = True,
             sided: bool = False, sign: float = 0.0, reserve: float = 0.0,
             drop: float = 0.0, train: tuple[float, float] = (),
-            split: bool = False, split_over: int = 1) -> tuple[torch.nn.Module, float]:
+            split: bool = False, split_over: int = 1, ahead: bool = False) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -244,7 +244,13 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     alive train on its ``n`` disjoint parts (their annealed copies on the parts of theirs), so the
     search costs about one run's examples; the winner has trained on a part of every batch. With
     ``split_over`` ``k`` they share batches only while more than ``k`` forks are alive (with 2: the
-    phases before the last cut), and take whole batches after."""
+    phases before the last cut), and take whole batches after. With ``ahead`` (and ``cool``) an
+    annealed copy looks ahead to the schedule's peak: it trains at its multiple of the highest lr
+    the schedule reaches from the cut on (not of the lr at the cut), falling linearly to 0, so a cut
+    inside a warm-up reads each fork as it would end if the schedule had peaked then, instead of
+    at the few percent of the peak a warm-up has reached. A last cut (``keep`` 1) before the run's
+    end, with ``cool`` and ``confidence``, runs the end's test on the annealed copies of the start
+    and the challenger, not on the forks: the run's remaining steps are plain training."""
     total = len(batches)
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total) if average else 1.0
@@ -256,6 +262,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     # forks see the same draws (common random numbers), and the start's fork those of plain training
     rngs = [torch.random.get_rng_state()] * len(forks)
     initial = _scored(task, model, [p.detach() for p in model.parameters()]) if lost_start else math.nan
+    trace = _lr_trace(opt, sched, total) if ahead else []
     reserved, named = [False] * len(forks), False
     model.train()
     for t, b in enumerate(batches, 1):
@@ -274,8 +281,11 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                 k = max(1, round(cool * total))
                 nxt = [batches[(t + j) % total] for j in range(k)]
                 live = [i for i in range(len(forks)) if alive[i]]
+                # with ``ahead`` each copy step's factor is rescaled from the scheduler's lr at that
+                # step to the schedule's highest lr from the cut on
+                peak = [max(trace[t:]) / trace[min(t + j, total - 1)] for j in range(k)] if ahead else None
                 copies = [_cooled_copy(task, f, m, [_part(x, live.index(i), len(live)) for x in nxt]
-                                       if split and len(live) > split_over else nxt) if ok else None
+                                       if split and len(live) > split_over else nxt, peak) if ok else None
                           for i, (f, m, ok) in enumerate(zip(forks, factors, alive))]
                 scores = [math.inf if c is None else _scored(task, c[0], _last(c)) for c in copies]
             else:
@@ -292,7 +302,13 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             if protect and keep == 1 and confidence > 0 and own and order[0] != own[0] and alive[own[0]]:
                 lost = scores[own[0]] >= initial > scores[order[0]]  # False without lost_start (nan)
                 ch, st = (forks[order[0]][0], emas[order[0]]), (forks[own[0]][0], emas[own[0]])
-                probe_ch, probe_st = _unit_losses(task, *ch), _unit_losses(task, *st)
+                if cool > 0 and t < total:  # a decision before the end reads the annealed copies
+                    probe_ch, probe_st = (_final_units(task, c) if c is not None else None
+                                          for c in (copies[order[0]], copies[own[0]]))
+                    probe_ch = probe_ch if probe_ch is not None else torch.full((1,), math.inf)
+                    probe_st = probe_st if probe_st is not None else torch.full((1,), math.inf)
+                else:
+                    probe_ch, probe_st = _unit_losses(task, *ch), _unit_losses(task, *st)
                 confirmed = bool(train) and _gain(probe_ch, probe_st) >= train[0] and _gain(
                     _unit_losses(task, *ch, task.train_sample()),
                     _unit_losses(task, *st, task.train_sample())) >= train[1]
@@ -337,15 +353,29 @@ def _passes(challenger: torch.Tensor, start: torch.Tensor, z: float, sign: float
     return (up - down) / math.sqrt(max(1, up + down)) >= sign
 
 
-def _cooled_copy(task: Task, state: State, factor: float, batches: Sequence[Any]) -> State | None:
+def _cooled_copy(task: Task, state: State, factor: float, batches: Sequence[Any],
+                 peak: Sequence[float] | None = None) -> State | None:
     """A copy of ``state`` trained on ``batches`` with its lr factor falling linearly from
-    ``factor`` to 0 (None when a loss was not finite)."""
+    ``factor`` to 0 (None when a loss was not finite); ``peak[j]`` multiplies step ``j``'s factor."""
     copy_ = copy.deepcopy(state)
     k = len(batches)
     ok = True
     for j, b in enumerate(batches):
-        ok = ok and _step(task, copy_, b, factor * (k - j) / (k + 1))
+        ok = ok and _step(task, copy_, b, factor * (k - j) / (k + 1) * (peak[j] if peak else 1.0))
     return copy_ if ok else None
+
+
+def _lr_trace(opt: torch.optim.Optimizer, sched: Any, total: int) -> list[float]:
+    """The first group's lr at each of the run's ``total`` steps, read from a copy of the optimizer
+    and scheduler stepped through the run without training (``opt`` and ``sched`` are untouched)."""
+    o, s = copy.deepcopy((opt, sched))
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(total):
+            out.append(o.param_groups[0]["lr"])
+            s.step()
+    return out
 
 
 def _last(state: State) -> list[torch.Tensor]:
@@ -571,6 +601,17 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "split-early-end-cool-z2-lost-last": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                             confidence=2.0, lost_start=True, average=False,
                                                             split=True, split_over=2),
+    # issue 39's budget (at most 2.0x plain training's steps as hpx.Forks takes them): one cut at 8%
+    # of the run to your run and the best challenger, a final decision at 35% on annealed copies of
+    # both (4% windows), then plain training; with annealed copies that look ahead to the peak lr
+    "lean-ahead": lambda *a: halving(*a, cuts=((0.08, 2), (0.35, 1)), protect=True, cool=0.04,
+                                     confidence=2.0, lost_start=True, average=False, ahead=True),
+    "lean": lambda *a: halving(*a, cuts=((0.08, 2), (0.35, 1)), protect=True, cool=0.04,
+                               confidence=2.0, lost_start=True, average=False),
+    # the same budget spent on a later final: the first cut at 5% of the run (3% windows), the final
+    # decision at 54%
+    "late-ahead": lambda *a: halving(*a, cuts=((0.05, 2), (0.54, 1)), protect=True, cool=0.03,
+                                     confidence=2.0, lost_start=True, average=False, ahead=True),
     # the lr range test before the run (lr_find), then plain training at its suggestion
     "rangetest-steep": range_test,
     "rangetest-min10": lambda *a: range_test(*a, rule="min10"),
