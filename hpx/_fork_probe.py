@@ -66,16 +66,18 @@ def probes_alike(collective: Collective, initial: float) -> None:
 
 def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collective: Collective, units: bool,
                  averaged: list[_Fork], first: bool = False, skip: set[int] | None = None,
-                 ) -> list[list[torch.Tensor]]:
+                 vectorize: list[bool | None] | None = None) -> list[list[torch.Tensor]]:
     """Each fork's probe loss per batch (a scalar) or per example, in eval mode, without touching
     the global random stream; per example for every batch with ``units`` (a loss that gives one
-    number per batch is then evaluated one example at a time). The probe is read once and every
+    number per batch is then evaluated for each example alone). The probe is read once and every
     fork scores each batch, so losses pair up even when the probe is a shuffled DataLoader. Under
     torch.distributed the floating buffers of the forks in ``averaged`` are averaged over the ranks
     first. What a forward leaves on a model (every module's mode, attributes and buffers: a hidden
     state kept as ``self.h``) is put back after the pass, so scoring your run does not change how
     it trains. On the ``first`` pass (before any step) the loss is also checked for what would fail
-    or mislead later: a batch it changes, and a mean it could not give one example at a time."""
+    or mislead later: a batch it changes, and a mean it could not give one example at a time.
+    ``vectorize`` holds whether such a mean is evaluated for all of a batch's examples at once
+    (:func:`_each_example`): ``[None]`` until the first batch decides it."""
     dev = _device(forks[0].model)
     keep = _rng_get(dev)
     for f in forks:
@@ -93,9 +95,8 @@ def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collectiv
                     v = _scalar_or_rows(fn(f.replica, b))
                     if first and i == 0 and v.numel() == 1 and rows > 1:
                         ConfigError.check(_one_example_problems(f, fn, b, rows))
-                    if units and v.numel() == 1 and rows > 1:  # one example at a time
-                        v = torch.stack([_scalar_or_rows(fn(f.replica, r)).reshape(())
-                                         for r in _split(b, rows)])
+                    if units and v.numel() == 1 and rows > 1:  # each example on its own
+                        v = _each_example(fn, f, b, rows, vectorize if vectorize is not None else [False])
                     mine.append(v.detach().to("cpu", torch.float64))
                 if first:
                     ConfigError.check(batch_changed(before, b, "the probe's loss_fn"))
@@ -186,6 +187,49 @@ def first_checked(call: Callable[[], Any], before: Any, batch: Any, trained: lis
     return out
 
 
+def _each_example(fn: LossFn, f: _Fork, batch: Any, rows: int, vectorize: list[bool | None]) -> torch.Tensor:
+    """The loss ``fn`` gives for each of the batch's ``rows`` examples alone (a batch of one row):
+    all at once, by ``torch.func.vmap`` over batches of one row, unless ``vectorize[0]`` is False;
+    else one example at a time. The first batch decides (``vectorize[0]`` None): vmap must run the
+    loss (an op it cannot batch, such as ``.item()`` or a branch on a value, raises) and agree with
+    the one-at-a-time losses on the first examples; where not, every later batch takes the loop."""
+    def looped(parts: list[Any]) -> torch.Tensor:
+        return torch.stack([_scalar_or_rows(fn(f.replica, r)).reshape(()) for r in parts])
+
+    if vectorize[0] is not False:
+        stacked, dims = _rowwise(batch, rows)
+        try:
+            v = torch.func.vmap(lambda one: _scalar_or_rows(fn(f.replica, one)).reshape(()),
+                                in_dims=(dims,))(stacked)
+        except Exception:  # any failure of the vectorized pass: the loop
+            vectorize[0] = False
+        else:
+            if vectorize[0] is None:
+                head = looped(_split(batch, rows)[:4])
+                vectorize[0] = bool(torch.allclose(v[:len(head)].double(), head.double(), rtol=1e-4,
+                                                   atol=1e-6, equal_nan=True))
+            if vectorize[0]:
+                return v
+    return looped(_split(batch, rows))
+
+
+def _rowwise(batch: Any, rows: int) -> tuple[Any, Any]:
+    """``batch`` with every tensor of ``rows`` rows given a dimension of 1 after its first, and the
+    ``in_dims`` that map ``vmap`` over those rows (anything else is given whole to every example):
+    inside the map, each call sees a batch of one example."""
+    if torch.is_tensor(batch):
+        return (batch.unsqueeze(1), 0) if batch.dim() >= 1 and batch.shape[0] == rows else (batch, None)
+    if isinstance(batch, (list, tuple)):
+        parts = [_rowwise(b, rows) for b in batch]
+        if hasattr(batch, "_fields"):  # a namedtuple
+            return type(batch)(*(p[0] for p in parts)), type(batch)(*(p[1] for p in parts))
+        return type(batch)(p[0] for p in parts), type(batch)(p[1] for p in parts)
+    if isinstance(batch, dict):
+        parts_ = {k: _rowwise(v, rows) for k, v in batch.items()}
+        return {k: p[0] for k, p in parts_.items()}, {k: p[1] for k, p in parts_.items()}
+    return batch, None
+
+
 def _one_example_problems(f: _Fork, fn: LossFn, batch: Any, rows: int) -> list[str]:
     """Why the end's test could not evaluate the probe's mean loss one example at a time (found at
     the first probe pass, not at the run's end)."""
@@ -246,6 +290,8 @@ class _Scoring:
     _shared: Any
     _apart: Any
     _probe_units: int
+    _vectorize: list[bool | None]  # whether a mean probe loss is evaluated per example by vmap
+    _last_parts: list[tuple[_Fork, list[torch.Tensor]]]  # the last _scores pass, for the end's test
     collective: Any
 
     def _probe_losses(self, forks: list[_Fork], units: bool, first: bool = False) -> list[list[torch.Tensor]]:
@@ -255,18 +301,26 @@ class _Scoring:
         assert self._probe_fn is not None
         averaged = [f for f in forks if not (self._outside and f is self._forks[0])]
         return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged, first,
-                            skip={id(t) for _, t, _ in self._shared.buffers})
+                            skip={id(t) for _, t, _ in self._shared.buffers}, vectorize=self._vectorize)
 
     def _scores(self, forks: list[_Fork], first: bool = False) -> list[float]:
         """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;
         ``inf`` when it is not finite (``nan`` stays on the ``first`` pass, which checks the loss)."""
         if self._apart is not None and bool(self._apart):  # a decision's host read: not per step
             raise ConsistencyError(_APART)
-        return [mean_score(parts, first) for parts in self._probe_losses(forks, units=False, first=first)]
+        found = self._probe_losses(forks, units=False, first=first)
+        self._last_parts = list(zip(forks, found))  # losses per example are the end's test's too
+        return [mean_score(parts, first) for parts in found]
 
     def _gain(self, a: _Fork, b: _Fork) -> float:
-        """How many standard errors ``a`` scores below ``b`` on the probe, example by example."""
-        pa, pb = self._probe_losses([a, b], units=True)
+        """How many standard errors ``a`` scores below ``b`` on the probe, example by example: from
+        the scores' pass just made when the loss gave one loss per example, else from a pass that
+        takes each example alone."""
+        held = {id(f): parts for f, parts in getattr(self, "_last_parts", [])}
+        self._last_parts = []
+        pa, pb = held.get(id(a)), held.get(id(b))
+        if pa is None or pb is None or any(p.numel() == 1 for p in pa + pb):
+            pa, pb = self._probe_losses([a, b], units=True)
         la, lb = torch.cat([p.reshape(-1) for p in pa]), torch.cat([p.reshape(-1) for p in pb])
         self._probe_units = len(la)  # for the log line: what the test had to go on
         return paired_gain(la, lb)

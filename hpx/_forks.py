@@ -486,15 +486,18 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
     cs = list(cuts) if isinstance(cuts, (list, tuple)) else None
     ok = cs is not None and all(isinstance(c, (list, tuple)) and len(c) == 2 and isinstance(c[0], Real)
                                 and isinstance(c[1], Integral) and not isinstance(c[1], bool) for c in cs)
-    if not ok or any(not 0 < c[0] < 1 or c[1] < 2 for c in cs) or any(
+    if not ok or any(not 0 < c[0] < 1 or c[1] < 1 for c in cs) or any(c[1] < 2 for c in cs[:-1]) or any(
             a[0] >= b[0] or a[1] <= b[1] for a, b in itertools.pairwise(cs)):
         problems.append(f"cuts must be (share of the run, forks kept) pairs, shares rising in (0, 1) and "
-                        f"counts falling, each at least 2, e.g. ((0.1, 3), (0.25, 2)) (got {cuts!r})")
+                        f"counts falling, each at least 2 but the last, which may be 1 (the final decision "
+                        f"before the run's end), e.g. ((0.05, 2), (0.5, 1)) (got {cuts!r})")
     if not isinstance(cool, Real) or isinstance(cool, bool) or not 0 <= cool < 1:
         problems.append(f"cool must be a share of the run in [0, 1) (got {cool!r})")
-    elif ok and cs and any(a[0] + cool >= b[0] for a, b in itertools.pairwise(cs)):
+    elif ok and cs and any(a[0] + cool >= b[0] for a, b in itertools.pairwise(
+            [*cs, (1.0, 0)] if cs[-1][1] == 1 else cs)):  # a final cut's copies are scored before the end
         problems.append(f"cool={cool} overlaps the cuts {cuts!r}: a cut's annealed copies must be scored "
-                        "before the next cut starts; give cuts further apart or a smaller cool")
+                        "before the next cut starts (the last cut's before the run's end); give cuts "
+                        "further apart or a smaller cool")
     if not isinstance(confidence, Real) or isinstance(confidence, bool) or not 0 <= confidence < math.inf:
         problems.append(f"confidence must be a number >= 0 (got {confidence!r})")
     return problems

@@ -10,14 +10,17 @@ fork's multiple would see.
 
 At 10% of the run the forks are cut to 3, at 25% to 2 (your run and the best challenger), each
 cut scored on held-out batches (``probe``) at a copy of every challenger annealed over the next 5%
-of the run (its lr multiple taken linearly to 0; the copies train alongside the forks on the same
-batches and are dropped once scored, so a cut is decided 5% of the run after it starts). Your run
-survives every cut, so it needs no copy: it is scored as it is, for the record. At the end of
-the run the challenger replaces your run only if it scores better on the probe by ``confidence``
-(2) standard errors of the per-example difference of their losses, or if your run ended no better
-on the probe than the initial weights did (a lost run) while the challenger did. The winner's
-model, optimizer and scheduler state are then loaded into your objects: after the last step
-``forks.model`` is your model holding the winner.
+of the run (the copies train alongside the forks on the same batches and are dropped once scored,
+so a cut is decided 5% of the run after it starts; a copy's lr multiple is taken linearly to 0:
+the fork as it would end if the run ended there). Your run survives every cut, so it needs no
+copy: it is scored as it is, for the record. At the end of the run the challenger replaces your
+run only if it scores better on the probe by ``confidence`` (2) standard errors of the
+per-example difference of their losses, or if your run ended no better on the probe than the
+initial weights did (a lost run) while the challenger did. The winner's model, optimizer and
+scheduler state are then loaded into your objects: after the last step ``forks.model`` is your
+model holding the winner. A last cut that keeps one (``cuts=((0.05, 2), (0.54, 1))``) makes that
+decision before the run's end instead, on annealed copies of your run and the challenger; the
+rest of the run is plain training at the winner's multiple.
 
 Other knobs (``knobs=[hpx.Dropout(spread=0.2), ...]``) add two forks each, at your learning rate,
 with the knob moved by its spread to each side of your value; they are cut and judged as any fork.
@@ -116,11 +119,13 @@ class Forks(_Scoring, _Faults, _State, _Guards):
             every rank.
         loss_fn: ``loss_fn(replica, batch)`` for the probe; default: the loss given to
             :meth:`step`. It may return the loss of every example (``reduction="none"``): the
-            final test pairs the two runs example by example, and otherwise evaluates the probe
-            one example at a time to get them.
+            final test pairs the two runs example by example, and otherwise evaluates each example
+            alone (by ``torch.func.vmap``, or one at a time where vmap cannot run the loss).
         multiples: the forks' lr multiples; ``1`` must be one of them (your run).
         cuts: ``(share of the run, forks kept)`` pairs, shares rising in ``(0, 1)``, counts falling
-            and at least 2 (the final cut to one is at the run's end).
+            and at least 2, but the last, which may be 1: the final decision, made then on annealed
+            copies of your run and the challengers left instead of at the run's end (the rest of
+            the run is plain training; fewer steps, a decision on shorter runs).
         cool: the share of the run over which each cut's annealed copies train before they are
             scored (``0``: score the forks as they are, at the cut).
         confidence: ``z``: the challenger replaces your run only if it wins by ``z`` standard
@@ -259,6 +264,7 @@ class Forks(_Scoring, _Faults, _State, _Guards):
         self._decide_at: tuple[int, int] | None = None  # (step, keep) of the cut in progress
         self._initial: float | None = None  # the probe loss of the initial weights
         self._probe_units = 0  # the examples the end's test compared (known once it ran)
+        self._vectorize: list[bool | None] = [None]  # a mean probe loss per example by vmap? (_each_example)
         self.factor = 1.0  # the lr multiple your run trains at: the winner's after the end
         self.values = dict(bases)  # ... and its knobs' values
         self.decided = False
@@ -459,19 +465,24 @@ class Forks(_Scoring, _Faults, _State, _Guards):
                 scored[i] = _LOST if self._forks[i].lost else c  # a fork lost since: its copy says nothing
             keep = self._decide_at[1]
             self._clones, self._parents, self._decide_at = [], [], None
-            self._cut(keep, scored)
+            if keep == 1:  # the final decision before the run's end: the rest is plain training
+                self._finish(scored)
+            else:
+                self._cut(keep, scored)
         keep = self._plan.get(s)  # after the decision due now: on a short run the next cut starts here
-        if keep is not None and keep < len(self._forks):
+        if keep is not None and keep < len(self._forks) and not self.decided:
             k = min(max(1, round(self.cool * self.total_steps)), self.total_steps - s) if self.cool > 0 else 0
             if k > 0:  # anneal a copy of every challenger over the next k steps, then decide on them
                 n = 1 + max(f.replica.index for f in self._forks)  # indices no fork trained now has
-                # your run is kept whatever its score, so it needs no copy: the cut keeps the best
-                # challengers, and the peak holds one copy fewer
-                self._parents = [i for i, f in enumerate(self._forks) if i > 0 and not f.lost]
+                # your run is kept by a cut to 2 or more whatever its score, so it needs no copy there
+                # (the peak holds one copy fewer); the final decision compares it with a challenger
+                self._parents = [i for i, f in enumerate(self._forks) if (i > 0 or keep == 1) and not f.lost]
                 memo = self._shared.memo()
                 self._clones = [self._forks[i].copied(n + j, ramp=(s, k), shared=memo, sharder=self._sharder)
                                 for j, i in enumerate(self._parents)]
                 self._decide_at = (s + k, keep)
+            elif keep == 1:
+                self._finish()
             else:
                 self._cut(keep, self._forks)
         if s == self.total_steps and not self.decided:
@@ -499,12 +510,20 @@ class Forks(_Scoring, _Faults, _State, _Guards):
         self._forks = [self._forks[i] for i in order]
         self._notify(rec)  # once the cut is made: a callback that raises leaves it made
 
-    def _finish(self) -> None:
-        """The end of the run: your run, or the best challenger if it wins with confidence (or your
-        run was lost and it was not); the winner is loaded into your objects."""
-        scores = self._scores(self._forks)
+    def _finish(self, scored: list[Any] | None = None) -> None:
+        """The final decision: your run, or the best challenger if it wins with confidence (or your
+        run was lost and it was not), judged on ``scored`` (the forks themselves at the run's end;
+        before it, their annealed copies, ``_LOST`` for a lost one); the winner (the fork, not its
+        copy) is loaded into your objects."""
+        stand = list(self._forks) if scored is None else scored
+        live = [c for c in stand if c is not _LOST]
+        found = iter(self._scores(live) if live else [])
+        scores = [math.inf if c is _LOST else next(found) for c in stand]
+        if scored is not None and self._agreed(not any(map(math.isfinite, scores))):
+            scores = self._scores(self._forks)  # no copy is finite: are the forks? (then judged as they are)
+            stand = list(self._forks)
         self._raise_if_all_lost(scores)
-        if not self._forks[0].lost:
+        if stand[0] is self._forks[0] and not self._forks[0].lost:  # a copy's blow-up is no probe error
             self._check_probe_loss(scores[0])
         best = _ranked(scores, [f.distance(self._bases) for f in self._forks])[0]
         gain = math.nan
@@ -512,7 +531,7 @@ class Forks(_Scoring, _Faults, _State, _Guards):
             initial = self._initial if self._initial is not None else math.nan
             lost = scores[0] >= initial > scores[best]  # False when the initial score is unknown
             if not lost and self.confidence > 0:
-                gain = self._gain(self._forks[best], self._forks[0])
+                gain = self._gain(stand[best], stand[0])
                 if gain < self.confidence:
                     best = 0
         best = self._agreed(best)

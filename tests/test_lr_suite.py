@@ -532,6 +532,22 @@ def test_hpx_forks_ends_where_the_prototype_it_was_built_from_ends(task):
     assert ours["val"] == pytest.approx(proto["val"], rel=1e-5)
 
 
+def test_hpx_forks_with_a_final_cut_ends_where_its_prototype_ends():
+    """hpx.Forks with a last cut to one (``Forks-2x``: 5% to 2, the final decision at 54%) against the
+    prototype loop of that design (``late-ahead`` without looking ahead is the same loop with the
+    copies at the scheduler's lr: ``late``), from 10x below the grid's best on a short run with
+    dropout: a challenger wins before the end, and the same lr and weights come out."""
+    from benchmarks.lr.__main__ import GRIDS, _load, best_of_grid
+
+    i, lrs, _ = best_of_grid("cancer_dropout", _load(GRIDS))
+    lr = lrs[i] / 10
+    ours = execute(Run("cancer_dropout", "Forks-2x", lr, 0, steps=60))
+    proto = execute(Run("cancer_dropout", "late", lr, 0, steps=60))
+    assert ours["end_lr"] != pytest.approx(lr)
+    assert ours["end_lr"] == pytest.approx(proto["end_lr"], rel=1e-9)
+    assert ours["val"] == pytest.approx(proto["val"], rel=1e-5)
+
+
 def test_agreement_counts_the_cells_both_methods_ran_and_names_those_that_differ():
     from benchmarks.lr.__main__ import agreement
 

@@ -101,7 +101,16 @@ def _forks(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched
                      loss_fn=lambda rep, b: task.loss(rep.model, b))
 
 
-METHODS: dict[str, Callable[..., Any]] = {"autolr": _autolr, "Forks": _forks, **{
+def _forks_2x(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, steps: int,
+              seed: int) -> hpx.Forks:
+    """hpx.Forks within 2.0x plain training's steps (docs/method.md, "Half the extra steps"): one cut
+    at 5% of the run to your run and the best challenger, the final decision at 54% on annealed
+    copies (3% windows), then plain training."""
+    return hpx.Forks(model, opt, total_steps=steps, schedule=sched, probe=task.probe(),
+                     loss_fn=lambda rep, b: task.loss(rep.model, b), cuts=((0.05, 2), (0.54, 1)), cool=0.03)
+
+
+METHODS: dict[str, Callable[..., Any]] = {"autolr": _autolr, "Forks": _forks, "Forks-2x": _forks_2x, **{
     f"deadzone-{tau:g}": _dead_zone(tau) for tau in (0.0, 0.1, 0.2, 0.3)},
     "sparse-5-1": _sparse(5, 1)}
 
