@@ -259,10 +259,10 @@ def section(res: dict, wall: float, command: str, on: str | None = None) -> str:
               "learning rate), so N replicas cost N copies of the weights plus one gradient and one "
               "optimizer state; with a state per replica (and a gradient each) about N plain copies. "
               "A sync needs one copy of a replica's weights in their own dtype (bfloat16 is summed in "
-              "float32 one bucket at a time); a first sync's peak also carries the allocator growing "
-              "its heap, later ones reuse it. Resident-memory peaks carry some allocator "
-              "noise. `hpx.autolr` costs one model plus one copy of its parameters (the starting point) "
-              "and the probe's forward."]
+              "float32 one bucket at a time); a first sync's peak can also carry the allocator "
+              "growing its heap (bfloat16 here), which later syncs reuse. Resident-memory peaks carry "
+              "some allocator noise. `hpx.autolr` costs one model plus one copy of its parameters "
+              "(the starting point) and the probe's forward."]
     return "\n".join(lines)
 
 

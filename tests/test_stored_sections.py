@@ -20,7 +20,7 @@ pytest.importorskip("sklearn")
 pytest.importorskip("transformers")
 pytest.importorskip("pydoc_data.topics")
 
-from benchmarks import _store, bench_dist, bench_step, forks_memory, scaling, vmap_probe
+from benchmarks import _store, bench_dist, bench_step, forks_memory, forks_overhead, scaling, vmap_probe
 from benchmarks.lr import __main__ as suite
 from benchmarks.lr import bar, coexplore, cost, noise
 from benchmarks.lr.tasks import TASKS
@@ -115,7 +115,7 @@ def test_the_cost_section_is_its_committed_store_read():
 # the engine study's sections whose command keeps its measurement in benchmarks/stored/ (with the
 # machine it was made on) and writes the section from that store alone
 ENGINE = {"vmap_probe": vmap_probe, "bench_step": bench_step, "scaling": scaling,
-          "forks-memory": forks_memory, "bench_dist": bench_dist}
+          "forks-memory": forks_memory, "forks-overhead": forks_overhead, "bench_dist": bench_dist}
 
 
 @pytest.mark.parametrize("marker", ENGINE)

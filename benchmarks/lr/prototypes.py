@@ -612,6 +612,15 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     # decision at 54%
     "late-ahead": lambda *a: halving(*a, cuts=((0.05, 2), (0.54, 1)), protect=True, cool=0.03,
                                      confidence=2.0, lost_start=True, average=False, ahead=True),
+    # hpx.Forks' design with annealed copies that look ahead to the schedule's peak lr (measured for
+    # issue 39's warm-up and not adopted: docs/method.md)
+    "halving-end-cool-z2-lost-last-ahead": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
+                                                              confidence=2.0, lost_start=True, average=False,
+                                                              ahead=True),
+    # late-ahead's cuts with the copies at the scheduler's lr: hpx.Forks with cuts=((0.05, 2), (0.54, 1)),
+    # cool=0.03 (Forks-2x in benchmarks/lr/run.py)
+    "late": lambda *a: halving(*a, cuts=((0.05, 2), (0.54, 1)), protect=True, cool=0.03,
+                               confidence=2.0, lost_start=True, average=False),
     # the lr range test before the run (lr_find), then plain training at its suggestion
     "rangetest-steep": range_test,
     "rangetest-min10": lambda *a: range_test(*a, rule="min10"),
