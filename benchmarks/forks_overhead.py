@@ -140,7 +140,8 @@ def section(res: list[dict[str, Any]], command: str, wall: float, on: str) -> st
              f"Command: `{command}` ({wall:.0f} s) on {on}. What is measured: the docstring of "
              f"`benchmarks/forks_overhead.py` (an MLP on digits, {STEPS} steps, Forks at its defaults, "
              "against a hand-written loop that takes the same optimizer steps; medians of "
-             f"{REPEATS} pairs run back to back). The bar: at most {BAR:.2f}x, whatever the probe's size.", "",
+             f"{REPEATS} pairs run back to back). The bar: at most {BAR:.2f}x, whatever the "
+             "probe's size.", "",
              "| probe rows | probe loss | Forks' steps / plain's | Forks s | hand-written loop s | "
              "Forks / loop (median of the pairs) | within the bar |",
              "| ---: | --- | ---: | ---: | ---: | ---: | --- |"]

@@ -291,7 +291,6 @@ class _Scoring:
     _apart: Any
     _probe_units: int
     _vectorize: list[bool | None]  # whether a mean probe loss is evaluated per example by vmap
-    _last_parts: list[tuple[_Fork, list[torch.Tensor]]]  # the last _scores pass, for the end's test
     collective: Any
 
     def _probe_losses(self, forks: list[_Fork], units: bool, first: bool = False) -> list[list[torch.Tensor]]:
@@ -306,19 +305,21 @@ class _Scoring:
     def _scores(self, forks: list[_Fork], first: bool = False) -> list[float]:
         """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;
         ``inf`` when it is not finite (``nan`` stays on the ``first`` pass, which checks the loss)."""
+        return self._scored(forks, first)[0]
+
+    def _scored(self, forks: list[_Fork], first: bool = False
+                ) -> tuple[list[float], list[list[torch.Tensor]]]:
+        """:meth:`_scores`, and the probe's losses they were taken from (per batch or per example)."""
         if self._apart is not None and bool(self._apart):  # a decision's host read: not per step
             raise ConsistencyError(_APART)
         found = self._probe_losses(forks, units=False, first=first)
-        self._last_parts = list(zip(forks, found))  # losses per example are the end's test's too
-        return [mean_score(parts, first) for parts in found]
+        return [mean_score(parts, first) for parts in found], found
 
-    def _gain(self, a: _Fork, b: _Fork) -> float:
+    def _gain(self, a: _Fork, b: _Fork, held: tuple[Any, Any] = (None, None)) -> float:
         """How many standard errors ``a`` scores below ``b`` on the probe, example by example: from
-        the scores' pass just made when the loss gave one loss per example, else from a pass that
-        takes each example alone."""
-        held = {id(f): parts for f, parts in getattr(self, "_last_parts", [])}
-        self._last_parts = []
-        pa, pb = held.get(id(a)), held.get(id(b))
+        ``held``, their losses from a pass just made, when the loss gave one per example (so the
+        end reads the probe once), else from a pass that takes each example alone."""
+        pa, pb = held
         if pa is None or pb is None or any(p.numel() == 1 for p in pa + pb):
             pa, pb = self._probe_losses([a, b], units=True)
         la, lb = torch.cat([p.reshape(-1) for p in pa]), torch.cat([p.reshape(-1) for p in pb])

@@ -517,11 +517,12 @@ class Forks(_Scoring, _Faults, _State, _Guards):
         copy) is loaded into your objects."""
         stand = list(self._forks) if scored is None else scored
         live = [c for c in stand if c is not _LOST]
-        found = iter(self._scores(live) if live else [])
-        scores = [math.inf if c is _LOST else next(found) for c in stand]
+        found, parts = self._scored(live) if live else ([], [])
+        held = dict(zip(map(id, live), parts))  # the end's test reads this pass when it can
+        scores = [math.inf if c is _LOST else found[live.index(c)] for c in stand]
         if scored is not None and self._agreed(not any(map(math.isfinite, scores))):
-            scores = self._scores(self._forks)  # no copy is finite: are the forks? (then judged as they are)
-            stand = list(self._forks)
+            scores, parts = self._scored(self._forks)  # no copy is finite: are the forks? (as they are)
+            stand, held = list(self._forks), dict(zip(map(id, self._forks), parts))
         self._raise_if_all_lost(scores)
         if stand[0] is self._forks[0] and not self._forks[0].lost:  # a copy's blow-up is no probe error
             self._check_probe_loss(scores[0])
@@ -531,7 +532,7 @@ class Forks(_Scoring, _Faults, _State, _Guards):
             initial = self._initial if self._initial is not None else math.nan
             lost = scores[0] >= initial > scores[best]  # False when the initial score is unknown
             if not lost and self.confidence > 0:
-                gain = self._gain(stand[best], stand[0])
+                gain = self._gain(stand[best], stand[0], (held.get(id(stand[best])), held.get(id(stand[0]))))
                 if gain < self.confidence:
                     best = 0
         best = self._agreed(best)
