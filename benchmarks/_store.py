@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["DOC", "STORED", "load", "refuse", "save", "shown"]
+__all__ = ["DOC", "STORED", "load", "publish", "refuse", "save", "shown"]
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -66,3 +66,12 @@ def save(path: Path, data: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, separators=(",", ":"), allow_nan=False) + "\n")
     tmp.replace(path)
+
+
+def publish(text: str, marker: str, write: bool, doc: Path = DOC) -> None:
+    """Print a section's ``text`` and, with ``write``, put it between its ``marker`` in ``doc``."""
+    print(text)
+    if write:
+        from benchmarks.report import write_section
+
+        write_section(doc, marker, text)

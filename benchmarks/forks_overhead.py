@@ -173,12 +173,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         store = {"res": res, "wall": time.perf_counter() - t0, "command": COMMAND, "on": machine()}
         if not a.no_write:
             _store.save(STORE, store)
-    text = stored_section(store)
-    print(text)
-    if not a.no_write:
-        from benchmarks.report import write_section
-
-        write_section(DOC, MARKER, text)
+    _store.publish(stored_section(store), MARKER, not a.no_write, DOC)
     return store["res"]
 
 
