@@ -22,14 +22,15 @@ pytest.importorskip("pydoc_data.topics")
 
 from benchmarks import _store, bench_dist, bench_step, forks_memory, forks_overhead, scaling, vmap_probe
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, coexplore, cost, noise
+from benchmarks.lr import bar, ceiling, coexplore, cost, noise
 from benchmarks.lr.tasks import TASKS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 COMMANDS = {suite.store_path("Forks"): "python -m benchmarks.lr eval --method Forks",
             suite.store_path("autolr"): "python -m benchmarks.lr eval --method autolr",
             cost.COST: "python -m benchmarks.lr.cost", bar.COEXPLORE: "python -m benchmarks.lr.coexplore",
-            noise.PATH: "python -m benchmarks.lr.noise"}
+            noise.PATH: "python -m benchmarks.lr.noise",
+            **{p: ceiling.COMMAND for p in (ceiling.STORE, ceiling.CHUNKS, ceiling.HALVES)}}
 
 
 def committed(marker: str) -> str:
@@ -144,3 +145,13 @@ def test_the_engine_benchmarks_sections_are_their_committed_store_read(marker):
                                  bench.FINDINGS.read_text(), _store.shown(path))
     assert marker in texts, f"{_store.shown(path)} holds nothing the {marker} section is written from"
     assert committed(marker) == f"\n{texts[marker].strip()}\n"
+
+
+def test_the_ceiling_section_is_its_committed_stores_read():
+    """``python -m benchmarks.lr.ceiling --chunks 30 100 200 --val-halves --report-only``: the section
+    from the three committed stores, as the run wrote it."""
+    needs(ceiling.STORE, ceiling.CHUNKS, ceiling.HALVES)
+    body = ceiling.section(list(TASKS), suite._load(suite.GRIDS), suite._load(ceiling.STORE),
+                           suite._load(ceiling.CHUNKS), suite._load(ceiling.HALVES), [30, 100, 200], True)
+    title = "What the probe can tell: the grid's runs scored on the probe"
+    assert committed("lr-ceiling") == f"\n## {title}\n\n{ceiling._INTRO}{body}"

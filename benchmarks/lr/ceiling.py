@@ -16,8 +16,10 @@ reading of the probe, early or late, cheap or not, points to the grid's best exc
 The table's criteria are the suite's bar read on the probe's pick (a selection does not depend on
 the start, so it recovers from 10x below and above alike): its validation loss over plain
 training's at the grid's best (mean of the 2 seeds, each seed's own pick), and its lr over the
-grid's best. Results go to ``runs/lr/ceiling.json``; held-out tasks are included (a property of
-the task and its split, read by no design) and reported apart.
+grid's best. Results go to ``benchmarks/lr/stored/ceiling.json`` (committed, as the chunks' and the
+halves' stores beside it: ``--report-only`` with the same flags rebuilds the section from them
+alone, ``tests/test_stored_sections.py``); held-out tasks are included (a property of the task and
+its split, read by no design) and reported apart.
 
 With ``--chunks``, the tasks whose probe is larger than the largest size given are rerun and each
 run is scored on every disjoint chunk of its probe of about each size: how often the pick of a
@@ -34,10 +36,12 @@ import os
 import statistics
 from typing import Any
 
+from benchmarks import _store
 from benchmarks.lr.__main__ import (
+    DOC,
     GRIDS,
-    RUNS,
     SEEDS,
+    STORED,
     _load,
     _run_all,
     _val,
@@ -50,11 +54,12 @@ from benchmarks.lr.__main__ import (
 from benchmarks.lr.run import Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
-__all__ = ["main", "pick_counts", "pick_rows"]
+__all__ = ["main", "pick_counts", "pick_rows", "section"]
 
-STORE = RUNS / "ceiling.json"
-CHUNKS = RUNS / "ceiling-chunks.json"
-HALVES = RUNS / "ceiling-val.json"
+STORE = STORED / "ceiling.json"
+CHUNKS = STORED / "ceiling-chunks.json"
+HALVES = STORED / "ceiling-val.json"
+COMMAND = "python -m benchmarks.lr.ceiling --chunks 30 100 200 --val-halves"  # what the section reads
 
 
 def pick_rows(tasks: list[str], grids: dict[str, Any]) -> list[dict[str, Any]]:
@@ -185,17 +190,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--chunks", nargs="*", type=int, default=[],
                    help="score each grid run on disjoint chunks of the probe of about this many examples "
-                        "(tasks whose probe is larger than the largest; runs/lr/ceiling-chunks.json)")
+                        "(tasks whose probe is larger than the largest; benchmarks/lr/stored/ceiling-chunks.json)")
     p.add_argument("--val-halves", action="store_true",
                    help="rerun every grid run and ask whether the two halves of the validation split agree "
-                        "on the best lr (runs/lr/ceiling-val.json)")
+                        "on the best lr (benchmarks/lr/stored/ceiling-val.json)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: the section from the committed stores (give the same --chunks and "
+                        "--val-halves as the run)")
     a = p.parse_args(argv)
     grids = _load(GRIDS)
-    store = _load(STORE)
+    store, chunked, halved = _load(STORE), _load(CHUNKS), _load(HALVES)
     runs = [Run(t, "plain", lr, s) for t in a.tasks for lr in grid_lrs(t, grids) for s in SEEDS]
-    # grid runs made since the suite records the probe loss carry it already; the rest are rerun
-    _run_all([r for r in runs if "probe" not in grids[r.key]], store, STORE, a.jobs)
-    store.update({r.key: grids[r.key] for r in runs if "probe" in grids[r.key]})
+    big = [t for t in a.tasks if sum(y.numel() for _, y in get_task(t).probe()) > max(a.chunks)] if a.chunks \
+        else []
+    big_runs = [Run(t, "plain", lr, s) for t in big for lr in grid_lrs(t, grids) for s in SEEDS]
+    if a.report_only:  # every run the section reads must be stored: else say which command makes them
+        for path, need in ((STORE, [r for r in runs if "probe" not in grids[r.key]]),
+                           (CHUNKS, big_runs), (HALVES, runs if a.val_halves else [])):
+            lacking = sorted({r.task for r in need if r.key not in _load(path)})
+            if lacking:
+                _store.refuse(path, COMMAND, DOC, lacks=", ".join(lacking), note="about 35 min")
+    else:
+        # grid runs made since the suite records the probe loss carry it already; the rest are rerun
+        _run_all([r for r in runs if "probe" not in grids[r.key]], store, STORE, a.jobs)
+        if a.chunks:
+            chunk = functools.partial(execute, probe_chunks=tuple(a.chunks))
+            _run_all(big_runs, chunked, CHUNKS, a.jobs, chunk)
+        if a.val_halves:
+            _run_all(runs, halved, HALVES, a.jobs, functools.partial(execute, val_halves=True))
+    md = section(a.tasks, grids, store, chunked, halved, a.chunks, a.val_halves)
+    print(md)
+    if a.tasks == list(TASKS):
+        write_section("lr-ceiling", "What the probe can tell: the grid's runs scored on the probe",
+                      _INTRO + md, after="lr-suite")
+    return 0
+
+
+def section(tasks: list[str], grids: dict[str, Any], store: dict[str, Any], chunked: dict[str, Any],
+            halved: dict[str, Any], chunks: list[int], val_halves: bool) -> str:
+    """The section's body (after its intro) from the stores: the reruns checked against the grid,
+    the probe's picks, and the chunks' and the halves' tables when asked for."""
+    runs = [Run(t, "plain", lr, s) for t in tasks for lr in grid_lrs(t, grids) for s in SEEDS]
+    store = {**store, **{r.key: grids[r.key] for r in runs if "probe" in grids[r.key]}}
     worst = 0.0
     for r in runs:  # the rerun is the grid's run: the same batches, the same result up to float noise
         new, old = store[r.key]["val"], grids[r.key]["val"]
@@ -207,24 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     if worst > 1e-3:
         raise SystemExit(f"a rerun's validation loss is {worst:.2g} (relative) off the stored grid's")
     md = f"Reruns agree with the stored grid to {worst:.1g} (relative validation loss).\n\n"
-    md += _markdown(pick_rows(a.tasks, grids))
-    if a.chunks:
-        big = [t for t in a.tasks if sum(y.numel() for _, y in get_task(t).probe()) > max(a.chunks)]
-        chunked = _load(CHUNKS)
-        runs = [Run(t, "plain", lr, s) for t in big for lr in grid_lrs(t, grids) for s in SEEDS]
-        _run_all(runs, chunked, CHUNKS, a.jobs, functools.partial(execute, probe_chunks=tuple(a.chunks)))
-        md += _CHUNKS_INTRO.format(sizes=" ".join(map(str, a.chunks)))
-        md += _chunk_table(big, grids, chunked, a.chunks) + "\n"
-    if a.val_halves:
-        halved = _load(HALVES)
-        runs = [Run(t, "plain", lr, s) for t in a.tasks for lr in grid_lrs(t, grids) for s in SEEDS]
-        _run_all(runs, halved, HALVES, a.jobs, functools.partial(execute, val_halves=True))
-        md += _HALVES_INTRO + _halves_table(a.tasks, grids, halved) + "\n"
-    print(md)
-    if a.tasks == list(TASKS):
-        write_section("lr-ceiling", "What the probe can tell: the grid's runs scored on the probe",
-                      _INTRO + md, after="lr-suite")
-    return 0
+    md += _markdown(pick_rows(tasks, grids))
+    if chunks:
+        big = [t for t in tasks if sum(y.numel() for _, y in get_task(t).probe()) > max(chunks)]
+        md += _CHUNKS_INTRO.format(sizes=" ".join(map(str, chunks)))
+        md += _chunk_table(big, grids, chunked, chunks) + "\n"
+    if val_halves:
+        md += _HALVES_INTRO + _halves_table(tasks, grids, halved) + "\n"
+    return md
 
 
 _HALVES_INTRO = """
