@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--chunks", nargs="*", type=int, default=[],
                    help="score each grid run on disjoint chunks of the probe of about this many examples "
-                        "(tasks whose probe is larger than the largest; benchmarks/lr/stored/ceiling-chunks.json)")
+                        "(tasks whose probe is larger than the largest; "
+                        "benchmarks/lr/stored/ceiling-chunks.json)")
     p.add_argument("--val-halves", action="store_true",
                    help="rerun every grid run and ask whether the two halves of the validation split agree "
                         "on the best lr (benchmarks/lr/stored/ceiling-val.json)")
