@@ -106,3 +106,31 @@ def test_cuts_that_cannot_be_made_are_refused_naming_the_fix(cuts, cool, match):
     with pytest.raises(ConfigError, match=match):
         hpx.Forks(_net(), torch.optim.SGD(_net().parameters(), lr=0.1), total_steps=STEPS, probe=PROBE,
                   cuts=cuts, cool=cool)
+
+
+@pytest.mark.parametrize("at", [22, 30])  # inside the final decision's window, and after it
+def test_a_run_with_a_final_cut_resumes_bit_for_bit(at):
+    """Saved inside the final decision's annealed window (its copies in flight) or after it (one run
+    left), then loaded into a Forks built the same way: the run ends as the uninterrupted one, bit
+    for bit, at the same multiple."""
+    def build():
+        model = _net()
+        opt, sched = _onecycle(model, 0.0005)
+        return model, hpx.Forks(model, opt, total_steps=STEPS, schedule=sched, probe=PROBE,
+                                cuts=((0.1, 2), (0.5, 1)), cool=0.1, confidence=0)
+
+    ref_model, ref = build()
+    for b in BATCHES[:STEPS]:
+        ref.step(_loss, b)
+    model, forks = build()
+    for b in BATCHES[:at]:
+        forks.step(_loss, b)
+    state = copy.deepcopy(forks.state_dict())
+    assert (len(state["clones"]) == 2) == (at == 22)
+    model2, resumed = build()
+    resumed.load_state_dict(state)
+    for b in BATCHES[at:STEPS]:
+        resumed.step(_loss, b)
+    assert resumed.decided and resumed.factor == ref.factor != 1.0
+    assert resumed.fork_steps == ref.fork_steps
+    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), ref_model.parameters()))
