@@ -149,8 +149,9 @@ def test_the_engine_benchmarks_sections_are_their_committed_store_read(marker):
 
 def test_the_ceiling_section_is_its_committed_stores_read():
     """``python -m benchmarks.lr.ceiling --chunks 30 100 200 --val-halves --report-only``: the section
-    from the three committed stores, as the run wrote it."""
-    needs(ceiling.STORE, ceiling.CHUNKS, ceiling.HALVES)
+    from the committed stores, as the run wrote it (``ceiling.json`` holds reruns of grid runs made
+    before the grid kept the probe's loss: none, today, so it need not exist)."""
+    needs(ceiling.CHUNKS, ceiling.HALVES)
     body = ceiling.section(list(TASKS), suite._load(suite.GRIDS), suite._load(ceiling.STORE),
                            suite._load(ceiling.CHUNKS), suite._load(ceiling.HALVES), [30, 100, 200], True)
     title = "What the probe can tell: the grid's runs scored on the probe"

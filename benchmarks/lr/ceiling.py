@@ -16,10 +16,11 @@ reading of the probe, early or late, cheap or not, points to the grid's best exc
 The table's criteria are the suite's bar read on the probe's pick (a selection does not depend on
 the start, so it recovers from 10x below and above alike): its validation loss over plain
 training's at the grid's best (mean of the 2 seeds, each seed's own pick), and its lr over the
-grid's best. Results go to ``benchmarks/lr/stored/ceiling.json`` (committed, as the chunks' and the
-halves' stores beside it: ``--report-only`` with the same flags rebuilds the section from them
-alone, ``tests/test_stored_sections.py``); held-out tasks are included (a property of the task and
-its split, read by no design) and reported apart.
+grid's best. Reruns go to ``benchmarks/lr/stored/ceiling.json`` (every grid run keeps its probe
+loss today, so there are none), the chunks' and the halves' runs beside it (committed:
+``--report-only`` with the same flags rebuilds the section from them alone,
+``tests/test_stored_sections.py``); held-out tasks are included (a property of the task and its
+split, read by no design) and reported apart.
 
 With ``--chunks``, the tasks whose probe is larger than the largest size given are rerun and each
 run is scored on every disjoint chunk of its probe of about each size: how often the pick of a
