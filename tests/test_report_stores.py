@@ -119,6 +119,24 @@ def test_probesize_refuses_before_it_runs_anything_without_the_suites_runs(lr_st
     assert ran == [] and doc.read_bytes() == before
 
 
+def test_probesize_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_stores, monkeypatch):
+    runs, doc = lr_stores
+    before = doc.read_bytes()
+    ran = []
+    monkeypatch.setattr(probesize, "_run_all", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(probesize, "numerics_problem", lambda *a, **k: ran.append(a))
+    tasks = ["char_mlp", "clusters_long"]
+    _suite_store(runs, "Forks", tasks)
+    grids = suite._load(suite.GRIDS)  # char_mlp's cut runs are stored, clusters_long's are not
+    (runs / "probesize.json").write_text(json.dumps({
+        Run(f"char_mlp@probe{n}", "Forks", lr, s).key: {} for n in (200, 100)
+        for lr in suite.cells("char_mlp", grids).values() for s in suite.SEEDS}))
+    message = _refused(lambda: probesize.main(["--tasks", *tasks, "--sizes", "200", "100", "--report-only"]),
+                       "probesize.json holds no results for clusters_long", probesize.COMMAND)
+    assert "char_mlp" not in message
+    assert ran == [] and doc.read_bytes() == before
+
+
 def test_the_benchmarks_report_only_refuses_a_missing_or_empty_results_file(tmp_path, monkeypatch):
     import benchmarks.__main__ as bench
 

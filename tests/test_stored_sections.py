@@ -22,7 +22,7 @@ pytest.importorskip("pydoc_data.topics")
 
 from benchmarks import _store, bench_dist, bench_step, forks_memory, forks_overhead, scaling, vmap_probe
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, ceiling, coexplore, cost, noise
+from benchmarks.lr import bar, ceiling, coexplore, cost, noise, probesize
 from benchmarks.lr.tasks import TASKS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -30,7 +30,8 @@ COMMANDS = {suite.store_path("Forks"): "python -m benchmarks.lr eval --method Fo
             suite.store_path("autolr"): "python -m benchmarks.lr eval --method autolr",
             cost.COST: "python -m benchmarks.lr.cost", bar.COEXPLORE: "python -m benchmarks.lr.coexplore",
             noise.PATH: "python -m benchmarks.lr.noise",
-            **{p: ceiling.COMMAND for p in (ceiling.STORE, ceiling.CHUNKS, ceiling.HALVES)}}
+            **{p: ceiling.COMMAND for p in (ceiling.STORE, ceiling.CHUNKS, ceiling.HALVES)},
+            probesize.STORE: probesize.COMMAND}
 
 
 def committed(marker: str) -> str:
@@ -156,3 +157,14 @@ def test_the_ceiling_section_is_its_committed_stores_read():
                            suite._load(ceiling.CHUNKS), suite._load(ceiling.HALVES), [30, 100, 200], True)
     title = "What the probe can tell: the grid's runs scored on the probe"
     assert committed("lr-ceiling") == f"\n## {title}\n\n{ceiling._INTRO}{body}"
+
+
+def test_the_probesize_section_is_its_committed_stores_read():
+    """``python -m benchmarks.lr.probesize --method Forks --sizes 200 100 --report-only``: the section
+    from Forks' committed suite runs (the whole probe) and the committed runs with the probe cut."""
+    needs(probesize.STORE, suite.store_path("Forks"))
+    grids = suite._load(suite.GRIDS)
+    tasks = [t for t in TASKS if t not in suite.HELD_OUT and suite.probe_size(t) > suite.PROBE_SPLIT]
+    body = probesize.section("Forks", [200, 100], tasks, grids, suite.suite_runs("Forks", tasks, grids),
+                             suite._load(probesize.STORE))
+    assert committed("lr-probesize") == f"\n## {probesize.TITLE}\n\n{body}"

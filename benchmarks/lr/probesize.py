@@ -9,8 +9,10 @@ and two seeds, with each task's probe cut to its first ``n`` examples (tokens fo
 in whole sequences; ``get_task("<task>@probe<n>")``), everything else as in the suite (data,
 batches, model, optimizer, schedule, the plain-training grid it is judged against). The table
 reads the bar's quality rows for each task with its whole probe (the method's stored suite runs,
-``python -m benchmarks.lr eval``) and cut. Results go to ``runs/lr/probesize.json``; the section
-goes to docs/benchmarks.md.
+``python -m benchmarks.lr eval``) and cut. Results go to ``benchmarks/lr/stored/probesize.json``
+(committed: about 30 min on two cores for the default tasks and ``--sizes 200 100``); the section
+goes to docs/benchmarks.md. ``--report-only`` with the same flags runs nothing and rebuilds the
+section from the committed stores alone, or names the command that makes what is missing.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import argparse
 import os
 from typing import Any
 
+from benchmarks import _store
 from benchmarks.lr.__main__ import (
     GRIDS,
     PROBE_SPLIT,
-    RUNS,
     SEEDS,
+    STORED,
     _load,
     _run_all,
     bar_counts,
@@ -39,7 +42,9 @@ from benchmarks.lr.tasks import HELD_OUT, TASKS
 
 __all__ = ["main"]
 
-STORE = RUNS / "probesize.json"
+STORE = STORED / "probesize.json"
+COMMAND = "python -m benchmarks.lr.probesize --method Forks --sizes 200 100"  # what the section reads
+TITLE = "What the probe's size does: the same tasks, their probes cut"
 
 
 def _as_base(store: dict[str, Any], variant: str, base: str, method: str) -> dict[str, Any]:
@@ -88,24 +93,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--mixed-numerics", action="store_true",
                    help="run against a stored grid whose runs this machine does not repeat bit for bit")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: the section from the committed stores (give the same flags as the run)")
     a = p.parse_args(argv)
     grids = _load(GRIDS)
     # the method's whole-probe runs are the suite's: without them nothing here is worth running
     suite = suite_runs(a.method, a.tasks, grids)
     store = _load(STORE)
-    if not a.mixed_numerics:
-        numerics_problem(a.tasks[0], grids)
     runs = [Run(f"{t}@probe{n}", a.method, lr, s) for t in a.tasks for n in a.sizes
             for lr in cells(t, grids).values() for s in SEEDS]
-    _run_all(runs, store, STORE, a.jobs)
-    full = {t: table(a.method, [t], grids, suite) for t in a.tasks}
-    cut = {(t, n): table(a.method, [t], grids, _as_base(store, f"{t}@probe{n}", t, a.method))
-           for t in a.tasks for n in a.sizes}
-    body = markdown(a.method, a.sizes, a.tasks, full, cut)
+    if a.report_only:  # every run the section reads must be stored: else say which command makes them
+        lacking = sorted({r.task for r in runs if r.key not in store})
+        if lacking:
+            _store.refuse(STORE, COMMAND, lacks=", ".join(lacking), note="about 30 min")
+    else:
+        if not a.mixed_numerics:
+            numerics_problem(a.tasks[0], grids)
+        _run_all(runs, store, STORE, a.jobs)
+    body = section(a.method, a.sizes, a.tasks, grids, suite, store)
     print(body)
-    write_section("lr-probesize", "What the probe's size does: the same tasks, their probes cut", body,
-                  after="lr-ceiling")
+    write_section("lr-probesize", TITLE, body, after="lr-ceiling")
     return 0
+
+
+def section(method: str, sizes: list[int], tasks: list[str], grids: dict[str, Any], suite: dict[str, Any],
+            store: dict[str, Any]) -> str:
+    """The section's body from the method's suite runs (``suite``, the whole probe) and the runs with
+    the probe cut (``store``)."""
+    full = {t: table(method, [t], grids, suite) for t in tasks}
+    cut = {(t, n): table(method, [t], grids, _as_base(store, f"{t}@probe{n}", t, method))
+           for t in tasks for n in sizes}
+    return markdown(method, sizes, tasks, full, cut)
 
 
 if __name__ == "__main__":
