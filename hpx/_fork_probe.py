@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -199,8 +200,12 @@ def _each_example(fn: LossFn, f: _Fork, batch: Any, rows: int, vectorize: list[b
     if vectorize[0] is not False:
         stacked, dims = _rowwise(batch, rows)
         try:
-            v = torch.func.vmap(lambda one: _scalar_or_rows(fn(f.replica, one)).reshape(()),
-                                in_dims=(dims,))(stacked)
+            with warnings.catch_warnings():  # torch's note that an op runs through vmap's slower
+                # fallback (a transformer layer's fused path): hpx chose vmap, the user cannot act on it
+                warnings.filterwarnings("ignore", message="There is a performance drop because we have "
+                                        "not yet implemented the batching rule", category=UserWarning)
+                v = torch.func.vmap(lambda one: _scalar_or_rows(fn(f.replica, one)).reshape(()),
+                                    in_dims=(dims,))(stacked)
         except Exception:  # any failure of the vectorized pass: the loop
             vectorize[0] = False
         else:

@@ -123,3 +123,31 @@ def test_a_loss_per_example_is_read_once_at_the_end():
     forks.step(_mean, BATCHES[-1])
     assert forks.decided and forks.history[-1].metrics["gain"] != 0
     assert calls[0] - before == 2 * len(PROBE)
+
+
+def test_a_transformer_layer_vectorized_per_example_warns_nothing_and_equals_the_loop():
+    """``nn.TransformerEncoderLayer`` in eval mode takes torch's fused fast path, which vmap runs
+    through a slower fallback and warns of it: hpx chose vmap, the user cannot act on that warning,
+    so the end's per-example pass shows none, and its values are still the one-at-a-time losses."""
+    import warnings
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True).eval()
+    head = nn.Linear(8, 1)
+
+    def loss(rep, b):
+        return F.mse_loss(head(rep.model(b[0])).mean(dim=(1, 2)), b[1])
+
+    rep = type("R", (), {"model": layer})()
+    f = type("F", (), {"replica": rep})()
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randn(12, 5, 8, generator=g), torch.randn(12, generator=g))
+    with torch.no_grad(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        vectorize: list[bool | None] = [None]
+        v = _each_example(loss, f, batch, 12, vectorize)
+    assert vectorize == [True]
+    assert [str(w.message) for w in seen] == []
+    with torch.no_grad():
+        by_hand = torch.stack([loss(rep, (batch[0][i:i + 1], batch[1][i:i + 1])) for i in range(12)])
+    assert v.double() == pytest.approx(by_hand.double(), rel=1e-4, abs=1e-6)
