@@ -618,6 +618,49 @@ def test_a_task_with_its_probe_cut_is_the_same_task_with_fewer_probe_examples():
         get_task("nope@probe10")
 
 
+
+def test_a_task_whole_trains_on_its_probe_too_and_nothing_else_changes():
+    base = get_task("wine_short")
+    whole = get_task("wine_short@whole")
+    (bx, by), probe = base.data()["train"], base.probe()
+    wx, wy = whole.data()["train"]
+    assert whole.name == "wine_short@whole" and len(wy) == len(by) + sum(len(y) for _, y in probe)
+    assert torch.equal(wx, torch.cat([bx, *(x for x, _ in probe)]))  # the training rows, then the probe's
+    assert torch.equal(wy, torch.cat([by, *(y for _, y in probe)]))
+    assert whole.data()["val"] is base.data()["val"] and whole.probe() is probe
+    same = ("steps", "batch", "optim", "sched", "center")
+    assert [getattr(whole, k) for k in same] == [getattr(base, k) for k in same]
+    with pytest.raises(SystemExit, match="char_gru trains on a text's windows"):
+        get_task("char_gru@whole")
+    with pytest.raises(SystemExit, match="unknown task 'nope'"):
+        get_task("nope@whole")
+
+
+def test_carve_reads_the_seeds_paired_ratio_and_marks_a_cost_beyond_2_percent_and_2_se():
+    from benchmarks.lr import carve
+    from benchmarks.lr.__main__ import GRIDS, _load
+    grids = _load(GRIDS)
+    pairs = carve._runs("wine_short", grids)
+    assert [c.seed for c, _ in pairs] == list(carve.SEEDS) and all(c.key in grids for c, _ in pairs[:2])
+    assert all(w.task == "wine_short@whole" and w.lr == c.lr for c, w in pairs)
+
+    def store(ratios):  # carved runs of the seeds after 1, and whole runs making each seed's ratio
+        carved = [grids[c.key]["val"] for c, _ in pairs[:2]] + [0.05, 0.06, 0.04, 0.05][:len(pairs) - 2]
+        out = {c.key: {"val": v} for (c, _), v in zip(pairs[2:], carved[2:])}
+        out.update({w.key: {"val": v / r} for (_, w), v, r in zip(pairs, carved, ratios)})
+        return out
+
+    n = len(pairs)
+    steady = [1.10, 1.12, 1.08, 1.11, 1.09, 1.10][:n]  # carving costs about 10%, seed after seed
+    (row,) = carve.rows(["wine_short"], grids, store(steady))
+    assert row["ratio"] == pytest.approx(math.exp(sum(map(math.log, steady)) / n))
+    assert carve._worse(row) and row["pairs"] == n
+    (noisy,) = carve.rows(["wine_short"], grids, store([1.3, 0.8, 1.25, 0.85, 1.2, 0.9][:n]))
+    assert noisy["ratio"] > 1.02 and not carve._worse(noisy)  # within its own noise
+    (small,) = carve.rows(["wine_short"], grids, store([1.01] * n))
+    assert not carve._worse(small)  # steady, but within 2%
+    assert "| wine_short |  | 23% |" in carve.section(["wine_short"], grids, store(steady))
+
 def test_probesize_counts_the_bar_for_the_whole_probe_and_each_cut():
     from benchmarks.lr.__main__ import bar_counts as counts
     from benchmarks.lr.probesize import _as_base, markdown

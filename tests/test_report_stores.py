@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("pydoc_data.topics")
 
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, noise, probesize
+from benchmarks.lr import bar, carve, noise, probesize
 from benchmarks.lr.run import Run
 from benchmarks.lr.tasks import HELD_OUT, TASKS
 
@@ -136,6 +136,23 @@ def test_probesize_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(
     assert "char_mlp" not in message
     assert ran == [] and doc.read_bytes() == before
 
+
+
+def test_carve_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_stores, monkeypatch):
+    runs, doc = lr_stores
+    before = doc.read_bytes()
+    ran = []
+    monkeypatch.setattr(carve, "STORE", runs / "carve.json")
+    monkeypatch.setattr(carve, "_run_all", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(carve, "numerics_problem", lambda *a, **k: ran.append(a))
+    grids = suite._load(suite.GRIDS)  # wine_short's runs are stored, iris_short's are not
+    runs.mkdir(exist_ok=True)
+    stored = {r.key: {"val": 1.0} for pair in carve._runs("wine_short", grids) for r in pair}
+    (runs / "carve.json").write_text(json.dumps(stored))
+    message = _refused(lambda: carve.main(["--tasks", "wine_short", "iris_short", "--report-only"]),
+                       "carve.json holds no results for iris_short", carve.COMMAND)
+    assert "wine_short" not in message
+    assert ran == [] and doc.read_bytes() == before
 
 def test_the_benchmarks_report_only_refuses_a_missing_or_empty_results_file(tmp_path, monkeypatch):
     import benchmarks.__main__ as bench

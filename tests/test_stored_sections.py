@@ -22,7 +22,7 @@ pytest.importorskip("pydoc_data.topics")
 
 from benchmarks import _store, bench_dist, bench_step, forks_memory, forks_overhead, scaling, vmap_probe
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, ceiling, coexplore, cost, noise, probesize
+from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize
 from benchmarks.lr.tasks import TASKS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -31,7 +31,7 @@ COMMANDS = {suite.store_path("Forks"): "python -m benchmarks.lr eval --method Fo
             cost.COST: "python -m benchmarks.lr.cost", bar.COEXPLORE: "python -m benchmarks.lr.coexplore",
             noise.PATH: "python -m benchmarks.lr.noise",
             **{p: ceiling.COMMAND for p in (ceiling.STORE, ceiling.CHUNKS, ceiling.HALVES)},
-            probesize.STORE: probesize.COMMAND}
+            probesize.STORE: probesize.COMMAND, carve.STORE: carve.COMMAND}
 
 
 def committed(marker: str) -> str:
@@ -168,3 +168,11 @@ def test_the_probesize_section_is_its_committed_stores_read():
     body = probesize.section("Forks", [200, 100], tasks, grids, suite.suite_runs("Forks", tasks, grids),
                              suite._load(probesize.STORE))
     assert committed("lr-probesize") == f"\n## {probesize.TITLE}\n\n{body}"
+
+
+def test_the_carve_section_is_its_committed_store_read():
+    """``python -m benchmarks.lr.carve --report-only``: the section from the committed store (the
+    runs with the probe put back, and the carved seeds the grid lacks) and the grid's runs."""
+    needs(carve.STORE)
+    body = carve.section(carve.row_tasks(), suite._load(suite.GRIDS), suite._load(carve.STORE))
+    assert committed("lr-carve") == f"\n## {carve.TITLE}\n\n{body}"

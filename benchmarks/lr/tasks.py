@@ -702,7 +702,11 @@ HELD_OUT: tuple[str, ...] = ("digits_cnn_bn_sgd", "char_lstm", "char_transformer
 def get_task(name: str) -> Task:
     """The task ``name``; ``"<task>@probe<n>"`` is that task with its probe cut to its first ``n``
     examples (tokens for a language model, in whole sequences): the same data, model, optimizer
-    and schedule, to measure what the probe's size does (``python -m benchmarks.lr.probesize``)."""
+    and schedule, to measure what the probe's size does (``python -m benchmarks.lr.probesize``).
+    ``"<task>@whole"`` trains on the probe's examples too (nothing carved out of the training data
+    for a probe; a task of rows only), to measure what carving it costs (``benchmarks.lr.carve``)."""
+    if name.endswith(WHOLE):
+        return _whole(name[:-len(WHOLE)])
     base, cut, size = name.partition("@probe")
     if base not in TASKS:
         raise SystemExit(f"unknown task {base!r} (tasks: {', '.join(TASKS)})")
@@ -726,3 +730,23 @@ def _probe_cut(base: str, n: int) -> Task:
         kept.append((x[:k], y[:k]))
         left -= k * per
     return replace(task, name=f"{base}@probe{n}", data=lambda: {**task.data(), "probe": kept})
+
+
+WHOLE = "@whole"
+
+
+@cache
+def _whole(base: str) -> Task:
+    if base not in TASKS:
+        raise SystemExit(f"unknown task {base!r} (tasks: {', '.join(TASKS)})")
+    task = TASKS[base]
+    if "stream" in task.data():
+        raise SystemExit(f"{base}{WHOLE}: {base} trains on a text's windows, not on rows: its probe cannot "
+                         "be put back into a training split of rows (a task of rows only)")
+
+    def data() -> dict[str, Any]:
+        d = task.data()
+        xs, ys = zip(d["train"], *d["probe"])
+        return {**d, "train": (torch.cat(xs), torch.cat(ys))}
+
+    return replace(task, name=f"{base}{WHOLE}", data=cache(data))
