@@ -1,8 +1,10 @@
 """Run a function on W real gloo processes on localhost and collect what each returns.
 
-Each launch spawns fresh interpreters that import torch, which costs seconds, so
-write one function that performs many checks and returns its observations, and
-launch it once (a module-scoped fixture is a good home for the call).
+Each launch starts fresh processes, so write one function that performs many checks
+and returns its observations, and launch it once (a module-scoped fixture is a good
+home for the call). The processes are forked from a server process that imported torch
+and hpx once (multiprocessing's "forkserver"): each rank is a fresh process that has
+not run anything, without paying the seconds of a torch import per rank and launch.
 
 ``fn`` must be a module-level function (spawned children import it by name) with
 the signature ``fn(rank, world_size, *args)``; its return value and ``args`` must
@@ -34,6 +36,9 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RemoteTraceback", "free_port", "run_distributed"]
+
+# What the fork server imports once, before it forks any rank: the imports every rank pays.
+_PRELOAD = ["torch", "torch.distributed", "hpx", "pytest", "sklearn.datasets", "tests._dist"]
 
 _POLL_SECONDS = 0.02
 # After a first failure, how long to let the other ranks fail too before choosing
@@ -68,21 +73,23 @@ def run_distributed(
     ``timeout`` seconds (spawning included) every child is killed and
     ``TimeoutError`` is raised naming the ranks that had not finished.
     """
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _context()
     port = free_port()
+    # Each child takes the caller's environment as it is now (a forked child would have the
+    # fork server's); one thread each keeps a 2-core machine responsive when ranks compute at once.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="hpx-dist-") as tmp:
         result_dir = Path(tmp)
         procs = [
             ctx.Process(
                 target=_child,
-                args=(rank, world_size, port, result_dir, timeout, fn, args),
+                args=(rank, world_size, port, result_dir, timeout, fn, args, env),
                 name=f"hpx-dist-rank{rank}",
             )
             for rank in range(world_size)
         ]
         try:
-            # Children inherit the environment at start(); one thread each keeps a
-            # 2-core machine responsive when several ranks compute at once.
+            # The fork server starts at the first launch, with the environment as it is then.
             with _environ(OMP_NUM_THREADS="1"):
                 for p in procs:
                     p.start()
@@ -93,6 +100,13 @@ def run_distributed(
                     p.kill()
             for p in procs:
                 p.join()
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """The forkserver context, its server importing ``_PRELOAD`` when it starts (the first launch)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
 
 
 def _wait(
@@ -178,8 +192,11 @@ def _child(
     timeout: float,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    env: dict[str, str],
 ) -> None:
-    """Spawned entry point: run ``fn`` inside a process group and leave a result file."""
+    """A rank's entry point: run ``fn`` inside a process group and leave a result file."""
+    os.environ.clear()
+    os.environ.update(env)
     torch.set_num_threads(1)
     failed_at: float | None = None
     try:
