@@ -37,13 +37,25 @@ def _old_tree(tmp: Path) -> Path:
     return tmp
 
 
-def _run(code: Path, out: Path, world: int) -> object:
-    env = {**os.environ, "PYTHONPATH": str(code)}
-    done = subprocess.run([sys.executable, str(SCRIPT), str(out), str(world)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=code)
-    assert done.returncode == 0, f"the run with {code / 'hpx'} failed:\n{done.stderr[-3000:]}"
-    assert Path(done.stdout.splitlines()[0]).resolve() == (code / "hpx" / "__init__.py").resolve()
-    return torch.load(out)
+def _runs(world: int, *runs: tuple[Path, Path]) -> list[object]:
+    """Each ``(code, out)`` run started at once, side by side (each in its own processes), then waited for.
+    One thread per process (the 1-process run sets it itself; the gloo ranks it spawns did not, and two
+    ranks of two threads each on two cores took twice as long): both runs alike, so still comparable."""
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(world)],
+                              env={**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=code)
+             for code, out in runs]
+    try:
+        done = [proc.communicate(timeout=300) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    outs = []
+    for (code, out), proc, (stdout, stderr) in zip(runs, procs, done):
+        assert proc.returncode == 0, f"the run with {code / 'hpx'} failed:\n{stderr[-3000:]}"
+        assert Path(stdout.splitlines()[0]).resolve() == (code / "hpx" / "__init__.py").resolve()
+        outs.append(torch.load(out))
+    return outs
 
 
 def _flat(x: object, at: str = "") -> dict[str, torch.Tensor]:
@@ -56,8 +68,7 @@ def _flat(x: object, at: str = "") -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_the_runs_match_the_code_before_bit_for_bit(tmp_path: Path, world: int) -> None:
-    old = _run(_old_tree(tmp_path / "old"), tmp_path / "old.pt", world)
-    new = _run(ROOT, tmp_path / "new.pt", world)
+    old, new = _runs(world, (_old_tree(tmp_path / "old"), tmp_path / "old.pt"), (ROOT, tmp_path / "new.pt"))
     a, b = _flat(old), _flat(new)
     assert a.keys() == b.keys() and len(a) > 50
     differ = [k for k in a if not torch.equal(a[k], b[k])]
