@@ -581,7 +581,7 @@ def _example(*launch: str, flags: tuple[str, ...] = ()) -> list[str]:
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
-    cmd = [sys.executable, *launch, str(root / "examples" / "torchrun_forks.py"), "--steps", "200", *flags]
+    cmd = [sys.executable, *launch, str(root / "examples" / "torchrun_forks.py"), "--steps", "100", *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     how = " ".join(launch) or "python"
     assert proc.returncode == 0, f"{how} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
@@ -591,11 +591,12 @@ def _example(*launch: str, flags: tuple[str, ...] = ()) -> list[str]:
 @pytest.mark.slow
 def test_the_torchrun_example_decides_on_two_ranks_as_in_one_process():
     """examples/torchrun_forks.py under torchrun (2 gloo ranks, each its share of every batch) prints
-    the decisions of the same script in one process (rank 0 alone prints)."""
+    the decisions of the same script in one process (rank 0 alone prints). 100 steps (its default is 600)
+    are enough for the same search, a challenger winning (0.03 -> 0.3 in each)."""
     one = _example()
     two = _example("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
     steps = [line.split("probe loss")[0].strip() for line in one[:-1]]
-    assert steps == ["step    30  cut", "step    60  cut", "step   200  end"]
+    assert steps == ["step    15  cut", "step    30  cut", "step   100  end"]  # cuts at 15% and 30%
     assert [line.split("probe loss")[0].strip() for line in two[:-1]] == steps
     assert one[-1].startswith("1 rank(s): lr 0.03 -> ") and two[-1].startswith("2 rank(s): lr 0.03 -> ")
     assert one[-1].split("-> ")[1].split(";")[0] == two[-1].split("-> ")[1].split(";")[0]
