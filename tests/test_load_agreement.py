@@ -96,9 +96,22 @@ def _refused_on_one_rank(rank: int, world: int, case: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("case", ["extra", "adam", "damaged"])
-def test_a_load_refused_on_one_rank_is_an_error_on_every_rank(case):
-    ranks = run_distributed(_refused_on_one_rank, 2, case, timeout=90)
+CASES = ["extra", "adam", "damaged"]
+
+
+def _every_case(rank: int, world: int) -> dict:
+    """Each case in turn in one launch (starting the processes costs more than a case)."""
+    return {case: _refused_on_one_rank(rank, world, case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def refused() -> list[dict]:
+    return run_distributed(_every_case, 2, timeout=180)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_load_refused_on_one_rank_is_an_error_on_every_rank(refused, case):
+    ranks = [r[case] for r in refused]
     for r, out in enumerate(ranks):
         assert out["error"] is not None, f"rank {r} went on alone"
         assert out["step"] == STEPS
