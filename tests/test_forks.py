@@ -1058,11 +1058,21 @@ def _ranks_disagree(rank, world, what):
     return None
 
 
+def _every_disagreement(rank: int, world: int) -> dict:
+    """Each case in turn in one launch (starting the processes costs more than a case)."""
+    return {what: _ranks_disagree(rank, world, what) for what in ("settings", "probe")}
+
+
+@pytest.fixture(scope="module")
+def disagreements() -> list[dict]:
+    return run_distributed(_every_disagreement, 2)
+
+
 @pytest.mark.parametrize("what, words", [("settings", "Forks settings"), ("probe", "same probe batches")])
-def test_ranks_that_disagree_on_settings_or_probe_all_raise_naming_it(what, words):
+def test_ranks_that_disagree_on_settings_or_probe_all_raise_naming_it(disagreements, what, words):
     """total_steps that differ between ranks aborted inside gloo (mismatched message sizes); a probe
     sharded over the ranks was used silently, rank 0's deciding. Both raise on every rank now."""
-    out = run_distributed(_ranks_disagree, 2, what)
+    out = [r[what] for r in disagreements]
     assert all(msg is not None and words in msg for msg in out)
 
 
