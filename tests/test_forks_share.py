@@ -200,10 +200,14 @@ def test_the_memory_benchmark_measures_each_configuration_in_a_fresh_process():
     """The plumbing of ``python -m benchmarks.forks_memory`` on a small width (its figures are the
     benchmark's, not a test's)."""
     pytest.importorskip("sklearn")
+    from concurrent.futures import ThreadPoolExecutor
+
     from benchmarks import forks_memory
 
-    forks = forks_memory.measure("full", "forks", steps=20, width=96)
-    plain = forks_memory.measure("frozen", "plain", steps=20, width=96)
+    with ThreadPoolExecutor(2) as pool:  # the two fresh processes side by side, one per core
+        forks_run = pool.submit(forks_memory.measure, "full", "forks", steps=20, width=96)
+        plain_run = pool.submit(forks_memory.measure, "frozen", "plain", steps=20, width=96)
+        forks, plain = forks_run.result(), plain_run.result()
     assert forks["trained"] == forks["params"] == 64 * 96 + 3 * 96 * 97 + 96 + 970
     assert plain["trained"] == 96 * 256 + 256 + 2570 < plain["params"]
     assert forks["bytes"] > 0 and plain["bytes"] > 0
