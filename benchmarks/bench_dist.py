@@ -265,7 +265,9 @@ def _section(args: argparse.Namespace, argv: list[str], result: dict, summary: d
                     f"| {_pct(s['wall_lo'])} to {_pct(s['wall_hi'])} | {s['cpu']:.3f} ({_pct(s['cpu'])}) "
                     f"| {_pct(s['cpu_lo'])} to {_pct(s['cpu_hi'])} |")
     load = ", ".join(f"{x:.1f}" for x in result["load"])
-    busy = " (the machine was shared with other work)." if result["load"][0] > cpus else "."
+    # its own ranks load the machine to about max(cores, ranks); more than one above that is other work
+    shared = result["load"][0] > max(cpus, args.nproc) + 1
+    busy = " (the machine was shared with other work)." if shared else "."
     return "\n".join([
         BEGIN,
         "## torch.distributed: hpx over plain DDP (gloo, CPU)",
