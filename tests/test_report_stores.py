@@ -108,12 +108,17 @@ def test_the_bar_refuses_each_store_it_reads_until_all_hold_runs(lr_stores, caps
     bar.require_stores("Forks")  # every store holds runs: the section would be written
 
 
+def _ran_nothing(module, monkeypatch) -> list:
+    """``module``'s runs and its numerics check replaced by a record of their calls (none expected)."""
+    ran: list = []
+    monkeypatch.setattr(module, "_run_all", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(module, "numerics_problem", lambda *a, **k: ran.append(a))
+    return ran
+
 def test_probesize_refuses_before_it_runs_anything_without_the_suites_runs(lr_stores, monkeypatch):
     _, doc = lr_stores
     before = doc.read_bytes()
-    ran = []
-    monkeypatch.setattr(probesize, "_run_all", lambda *a, **k: ran.append(a))
-    monkeypatch.setattr(probesize, "numerics_problem", lambda *a, **k: ran.append(a))
+    ran = _ran_nothing(probesize, monkeypatch)
     _refused(lambda: probesize.main(["--tasks", "digits_mlp"]), "Forks.json is missing",
              "`python -m benchmarks.lr eval --method Forks`")
     assert ran == [] and doc.read_bytes() == before
@@ -122,9 +127,7 @@ def test_probesize_refuses_before_it_runs_anything_without_the_suites_runs(lr_st
 def test_probesize_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_stores, monkeypatch):
     runs, doc = lr_stores
     before = doc.read_bytes()
-    ran = []
-    monkeypatch.setattr(probesize, "_run_all", lambda *a, **k: ran.append(a))
-    monkeypatch.setattr(probesize, "numerics_problem", lambda *a, **k: ran.append(a))
+    ran = _ran_nothing(probesize, monkeypatch)
     tasks = ["char_mlp", "clusters_long"]
     _suite_store(runs, "Forks", tasks)
     grids = suite._load(suite.GRIDS)  # char_mlp's cut runs are stored, clusters_long's are not
@@ -137,14 +140,11 @@ def test_probesize_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(
     assert ran == [] and doc.read_bytes() == before
 
 
-
 def test_carve_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_stores, monkeypatch):
     runs, doc = lr_stores
     before = doc.read_bytes()
-    ran = []
+    ran = _ran_nothing(carve, monkeypatch)
     monkeypatch.setattr(carve, "STORE", runs / "carve.json")
-    monkeypatch.setattr(carve, "_run_all", lambda *a, **k: ran.append(a))
-    monkeypatch.setattr(carve, "numerics_problem", lambda *a, **k: ran.append(a))
     grids = suite._load(suite.GRIDS)  # wine_short's runs are stored, iris_short's are not
     runs.mkdir(exist_ok=True)
     stored = {r.key: {"val": 1.0} for pair in carve._runs("wine_short", grids) for r in pair}
@@ -153,6 +153,7 @@ def test_carve_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_s
                        "carve.json holds no results for iris_short", carve.COMMAND)
     assert "wine_short" not in message
     assert ran == [] and doc.read_bytes() == before
+
 
 def test_the_benchmarks_report_only_refuses_a_missing_or_empty_results_file(tmp_path, monkeypatch):
     import benchmarks.__main__ as bench
