@@ -86,9 +86,15 @@ def rows(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> list
     return out
 
 
+def _clear(r: dict[str, Any]) -> int:
+    """1 where carving costs this task more than 2% and more than twice the ratio's standard error,
+    -1 where it gains that much, else 0."""
+    log = math.log(r["ratio"])
+    return int(abs(log) > max(math.log(1.02), 2 * r["se"])) * (1 if log > 0 else -1)
+
+
 def _worse(r: dict[str, Any]) -> bool:
-    """Carving costs this task more than 2%, and more than twice the ratio's standard error."""
-    return math.log(r["ratio"]) > max(math.log(1.02), 2 * r["se"])
+    return _clear(r) > 0
 
 
 def _summary(name: str, table: list[dict[str, Any]]) -> str:
@@ -96,7 +102,7 @@ def _summary(name: str, table: list[dict[str, Any]]) -> str:
     return (f"{name}: {len(table)} tasks, carved / whole median {statistics.median(ratios):.3f} "
             f"(range {min(ratios):.3f}-{max(ratios):.3f}); worse carved by more than 2% and 2 standard "
             f"errors on {sum(map(_worse, table))} of {len(table)}, better so on "
-            f"{sum(math.log(r['ratio']) < -max(math.log(1.02), 2 * r['se']) for r in table)}")
+            f"{sum(_clear(r) < 0 for r in table)}")
 
 
 def section(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> str:
