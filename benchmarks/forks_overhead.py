@@ -90,16 +90,6 @@ def _per_example(rep: Any, b: Any) -> torch.Tensor:
 Plan = list[list[tuple[int, float, "int | None"]]]
 
 
-def _multiple(f: Any, step: int) -> float:
-    """The multiple of the scheduler's lr a fork steps at (an annealed copy's falls over its ramp),
-    as ``hpx.Forks._step_one`` applies it."""
-    m = f.multiple
-    if f.ramp is not None:
-        first, k = f.ramp
-        m *= (k - (step - first)) / (k + 1)
-    return m
-
-
 def _forks(x: torch.Tensor, y: torch.Tensor, probe_rows: int, kind: str,
            keep: list[Any] | None = None) -> tuple[float, Plan, float]:
     """Forks' wall time; at each step, the models it stepped (a key each, the multiple of the lr
@@ -115,7 +105,7 @@ def _forks(x: torch.Tensor, y: torch.Tensor, probe_rows: int, kind: str,
         if keep is not None and i == len(batches) - 1:  # the forks before the end's decision
             keep.extend((id(f), [p.detach().clone() for p in f.model.parameters()]) for f in forks._forks)
         parents = {id(c): id(forks._forks[j]) for j, c in zip(forks._parents, forks._clones)}
-        now = [(id(f), _multiple(f, forks.step_count), None if id(f) in seen else parents.get(id(f)))
+        now = [(id(f), f.multiple_at(forks.step_count), None if id(f) in seen else parents.get(id(f)))
                for f in forks._trained()]
         seen.update(k for k, _, _ in now)
         plan.append(now)

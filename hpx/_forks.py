@@ -59,6 +59,14 @@ class _Fork:
         that is written into its optimizer and scheduler already."""
         return 1.0 if self.scaled else self.factor
 
+    def multiple_at(self, step: int) -> float:
+        """The multiple an optimizer step at ``step`` applies: :attr:`multiple`, falling linearly to
+        0 over an annealed copy's ramp."""
+        if self.ramp is None:
+            return self.multiple
+        first, k = self.ramp
+        return self.multiple * ((k - (step - first)) / (k + 1))  # in this order: runs repeat bit for bit
+
     def scale_lrs(self) -> None:
         """Write the multiple into the optimizer's and the scheduler's learning rates (every group's
         ``lr``, ``initial_lr`` and OneCycleLR's ``max_lr`` and ``min_lr``; each scheduler's

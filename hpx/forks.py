@@ -417,10 +417,7 @@ class Forks(_Scoring, _Faults, _State, _Guards):
             self._crossed = met if self._crossed is None or met is None else self._crossed | met
 
     def _step_one(self, f: _Fork, scaler: Any) -> None:
-        m = f.multiple
-        if f.ramp is not None:  # an annealed copy: the multiple falls linearly to 0 over its ramp
-            first, k = f.ramp
-            m *= (k - (self.step_count - first)) / (k + 1)
+        m = f.multiple_at(self.step_count)  # an annealed copy's falls linearly to 0 over its ramp
         groups = f.optimizer.param_groups
         lrs = [g["lr"] for g in groups]
         if m != 1.0:
