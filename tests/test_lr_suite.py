@@ -213,12 +213,12 @@ def test_a_run_with_dropout_repeats_whatever_ran_before_it_and_leaves_the_global
     assert first["val"] == second["val"] and first["probe"] == second["probe"]
 
 
-def _record_steps(loop, lr, **kw):
-    """Run a prototype loop (a name in benchmarks.lr.prototypes) on 60 steps of digits_mlp,
-    recording every optimizer step's ``(lr factor, scheduler)``."""
+def _record_steps(loop, lr, sched=None, **kw):
+    """Run a prototype loop (a name in benchmarks.lr.prototypes) on 60 steps of digits_mlp (under
+    its OneCycleLR, or ``sched``), recording every optimizer step's ``(lr factor, scheduler)``."""
     from benchmarks.lr import prototypes
 
-    task = replace(TASKS["digits_mlp"], steps=60)
+    task = replace(TASKS["digits_mlp"], steps=60, **({"sched": sched} if sched else {}))
     model = task.model(0)
     opt = task.optimizer(model, lr)
     gen = torch.Generator().manual_seed(3)
@@ -251,6 +251,22 @@ def test_successive_halving_runs_whole_forks_and_cuts_them_on_time():
     # a cut at the run's end scores the finished forks as they are: copies at the first two cuts only
     _, _, _, ended = _record_steps("halving", 0.1, cuts=((0.1, 3), (0.25, 2), (1.0, 1)), cool=0.05)
     assert len(ended) == 5 * 6 + 3 * 9 + 2 * 45 + 3 * (5 + 3)
+
+
+def test_peaked_cuts_fall_among_the_steps_after_the_schedules_peak():
+    cuts = ((0.1, 3), (0.25, 2), (1.0, 1))
+    _, _, _, shares = _record_steps("halving", 0.1, cuts=cuts)
+    _, _, _, peaked = _record_steps("halving", 0.1, cuts=cuts, peaked=True)
+    assert len(shares) == 5 * 6 + 3 * 9 + 2 * 45  # cuts at steps 6 and 15
+    # OneCycleLR over 60 steps peaks at its 18th step (p = 17/60): the cuts move to steps
+    # round(60 p + 6 (1 - p)) = 21 and round(60 p + 15 (1 - p)) = 28
+    assert len(peaked) == 5 * 21 + 3 * 7 + 2 * 32
+    assert len({f for f, _ in peaked[5 * 20:5 * 21]}) == 5  # five forks to step 21, three after
+    assert len({f for f, _ in peaked[5 * 21:5 * 21 + 3]}) == 3
+    # a schedule that starts at its peak (step decay) keeps its cuts: the same steps, factor by factor
+    _, _, _, step = _record_steps("halving", 0.1, sched="step", cuts=cuts)
+    _, _, _, step_peaked = _record_steps("halving", 0.1, sched="step", cuts=cuts, peaked=True)
+    assert [f for f, _ in step_peaked] == [f for f, _ in step] and len(step) == len(shares)
 
 
 def test_the_starts_fork_sees_plain_trainings_dropout_draws():

@@ -206,7 +206,8 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             lost_start: bool = False, average: bool = True,
             sided: bool = False, sign: float = 0.0, reserve: float = 0.0,
             drop: float = 0.0, train: tuple[float, float] = (),
-            split: bool = False, split_over: int = 1, ahead: bool = False) -> tuple[torch.nn.Module, float]:
+            split: bool = False, split_over: int = 1, ahead: bool = False,
+            peaked: bool = False) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -248,10 +249,17 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     annealed copy looks ahead to the schedule's peak: it trains at its multiple of the highest lr
     the schedule reaches from the cut on (not of the lr at the cut), falling linearly to 0, so a cut
     inside a warm-up reads each fork as it would end if the schedule had peaked then, instead of
-    at the few percent of the peak a warm-up has reached. A last cut (``keep`` 1) before the run's
+    at the few percent of the peak a warm-up has reached. With ``peaked`` every cut's share is of the
+    steps after the schedule's peak (its first highest lr): a cut at ``c`` of the run moves to
+    ``p + c (1 - p)``, ``p`` the share of the run before the peak, so a warm-up holds no cut and a
+    schedule that starts at its peak keeps its cuts. A last cut (``keep`` 1) before the run's
     end, with ``cool`` and ``confidence``, runs the end's test on the annealed copies of the start
     and the challenger, not on the forks: the run's remaining steps are plain training."""
     total = len(batches)
+    if peaked:
+        lrs = _lr_trace(opt, sched, total)
+        p = lrs.index(max(lrs)) / total
+        cuts = [(p + share * (1 - p), keep) for share, keep in cuts]
     plan = {max(1, round(share * total)): keep for share, keep in cuts}
     lam = min(1.0, 40 / total) if average else 1.0
     forks = [copy.deepcopy((model, opt, sched)) if m != 1.0 else (model, opt, sched) for m in mults]
@@ -617,6 +625,10 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "halving-end-cool-z2-lost-last-ahead": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                               confidence=2.0, lost_start=True, average=False,
                                                               ahead=True),
+    # hpx.Forks' design with every cut placed in the steps after the schedule's peak (issue 39's warm-up)
+    "halving-end-cool-z2-lost-last-peak": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
+                                                             confidence=2.0, lost_start=True, average=False,
+                                                             peaked=True),
     # late-ahead's cuts with the copies at the scheduler's lr: hpx.Forks with cuts=((0.05, 2), (0.54, 1)),
     # cool=0.03 (Forks-2x in benchmarks/lr/run.py)
     "late": lambda *a: halving(*a, cuts=((0.05, 2), (0.54, 1)), protect=True, cool=0.03,
