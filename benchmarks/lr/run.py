@@ -177,7 +177,8 @@ def execute(run: Run, probe_chunks: tuple[int, ...] = (), val_halves: bool = Fal
             units: bool = False) -> dict[str, Any]:
     """Train once; ``{"val", "probe", "lost", "seconds", "end_lr", "history"}`` (val is NaN when
     the run diverged; probe, the final weights' loss on the probe split, is None then), and for a
-    prototype loop ``"steps"``: its optimizer steps (forks and annealed copies) over the task's. For each
+    prototype loop or ``hpx.Forks`` ``"steps"``: its optimizer steps (forks and annealed copies)
+    over the task's. For each
     ``k`` in ``probe_chunks``, ``out["chunks"][str(k)]`` holds the final weights' loss on each
     disjoint chunk of the probe of about ``k`` examples (tokens for a language model). With
     ``val_halves``, ``out["val_halves"]`` holds the validation loss on each half of its rows. With
@@ -227,6 +228,8 @@ def _execute(run: Run, probe_chunks: tuple[int, ...], val_halves: bool, units: b
         seconds = time.perf_counter() - t0
         factor = engine.bases.get("lr", 1.0)
         out["end_lr"] = run.lr * factor
+        if isinstance(engine, hpx.Forks):  # its optimizer steps (forks and annealed copies), in runs
+            out["steps"] = engine.fork_steps / task.steps
         out["history"] = [{"step": r.step, "lr": r.bases.get("lr"), "phase": r.phase,
                            "points": None if r.points is None else list(r.points),
                            "scores": list(r.scores) if r.searched else None}
