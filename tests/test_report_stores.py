@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("pydoc_data.topics")
 
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, carve, noise, probesize
+from benchmarks.lr import bar, carve, noise, probesize, warmup
 from benchmarks.lr.run import Run
 from benchmarks.lr.tasks import HELD_OUT, TASKS
 
@@ -152,6 +152,29 @@ def test_carve_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_s
     message = _refused(lambda: carve.main(["--tasks", "wine_short", "iris_short", "--report-only"]),
                        "carve.json holds no results for iris_short", carve.COMMAND)
     assert "wine_short" not in message
+    assert ran == [] and doc.read_bytes() == before
+
+
+def test_warmup_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_stores, monkeypatch):
+    runs, doc = lr_stores
+    before = doc.read_bytes()
+    ran: list = []
+    monkeypatch.setattr(warmup, "_run_all", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(warmup, "run_grid", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(warmup, "STORE", runs / "warmup.json")
+    runs.mkdir(exist_ok=True)
+    committed = suite._load(warmup.STORED / "warmup.json")  # wine_short's grid and runs, digits_mlp's runs
+    held = {k: v for k, v in committed.items() if k.startswith("wine_short|")
+            or (k.startswith("digits_mlp|plain|"))}
+    (runs / "warmup.json").write_text(json.dumps(held))
+    message = _refused(lambda: warmup.main(["--tasks", "wine_short", "digits_mlp", "--report-only"]),
+                       "warmup.json holds no results for digits_mlp", warmup.COMMAND)
+    assert "wine_short" not in message
+    assert ran == [] and doc.read_bytes() == before
+    # the task's runs in place, the same command reads the section without running anything
+    (runs / "warmup.json").write_text(json.dumps({k: v for k, v in committed.items()
+                                                  if k.split("|")[0] in ("wine_short", "digits_mlp")}))
+    assert warmup.main(["--tasks", "wine_short", "digits_mlp", "--report-only"]) == 0
     assert ran == [] and doc.read_bytes() == before
 
 

@@ -22,7 +22,7 @@ pytest.importorskip("pydoc_data.topics")
 
 from benchmarks import _store, bench_dist, bench_step, forks_memory, forks_overhead, scaling, vmap_probe
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize
+from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize, warmup
 from benchmarks.lr.tasks import TASKS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -31,7 +31,7 @@ COMMANDS = {suite.store_path("Forks"): "python -m benchmarks.lr eval --method Fo
             cost.COST: "python -m benchmarks.lr.cost", bar.COEXPLORE: "python -m benchmarks.lr.coexplore",
             noise.PATH: "python -m benchmarks.lr.noise",
             **{p: ceiling.COMMAND for p in (ceiling.STORE, ceiling.CHUNKS, ceiling.HALVES)},
-            probesize.STORE: probesize.COMMAND, carve.STORE: carve.COMMAND}
+            probesize.STORE: probesize.COMMAND, carve.STORE: carve.COMMAND, warmup.STORE: warmup.COMMAND}
 
 
 def committed(marker: str) -> str:
@@ -176,3 +176,11 @@ def test_the_carve_section_is_its_committed_store_read():
     needs(carve.STORE)
     body = carve.section(carve.row_tasks(), suite._load(suite.GRIDS), suite._load(carve.STORE))
     assert committed("lr-carve") == f"\n## {carve.TITLE}\n\n{body}"
+
+
+def test_the_warmup_section_is_its_committed_store_read():
+    """``python -m benchmarks.lr.warmup --report-only``: the section from the committed store alone
+    (its own grid of the OneCycleLR tasks and both searches' runs, made on one machine)."""
+    needs(warmup.STORE)
+    body = warmup.section(warmup.onecycle_tasks(), suite._load(warmup.STORE))
+    assert committed("lr-warmup") == f"\n## {warmup.TITLE}\n\n{body}"
