@@ -844,6 +844,28 @@ def test_eval_refuses_a_stored_grid_that_this_machine_does_not_repeat(tmp_path, 
     assert len(json.loads((tmp_path / "Forks-quick.json").read_text())) == 3 * 2
 
 
+def test_fresh_starts_the_named_tasks_over_and_keeps_every_other_tasks_runs(tmp_path, monkeypatch):
+    """``--fresh --tasks X`` reruns X's runs and writes the store back with the other tasks' runs
+    as they were (it used to write back X's alone: a committed store lost every other task)."""
+    from benchmarks.lr import __main__ as suite
+
+    monkeypatch.setattr(suite, "RUNS", tmp_path)
+    both = ["eval", "--quick", "--method", "Forks", "--jobs", "1", "--tasks", "iris_short", "wine_short"]
+    assert suite.main(both) == 0
+    paths = {"eval": tmp_path / "Forks-quick.json", "grid": tmp_path / "grids-quick.json"}
+    for command, path in paths.items():
+        store = json.loads(path.read_text())
+        for r in store.values():
+            r["val"] = -1.0  # a mark each rerun replaces
+        path.write_text(json.dumps(store))
+        args = [command, "--quick", "--method", "Forks", "--jobs", "1", "--fresh", "--tasks", "iris_short"]
+        assert suite.main(args) == 0
+        after = json.loads(path.read_text())
+        assert sorted(after) == sorted(store)  # no task's runs dropped
+        assert all((r["val"] == -1.0) == k.startswith("wine_short|") for k, r in after.items()), command
+    assert suite.forget({"a|x": 1, "a@whole|x": 2, "b|x": 3}, ["a"]) == {"a@whole|x": 2, "b|x": 3}
+
+
 def test_two_grids_made_with_other_rounding_are_compared_run_by_run():
     """benchmarks.lr.numerics: the same runs in two stored grids; a run that ended elsewhere counts
     as apart (and how far), one equal bit for bit as the same, and a best that moved is named."""

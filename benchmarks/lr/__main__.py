@@ -6,7 +6,8 @@
     python -m benchmarks.lr same --method A B      # do two methods' stored runs agree, cell by cell?
     python -m benchmarks.lr eval --quick           # a smoke run of every task (few steps)
 
-Every command resumes from what it already has (``--fresh`` starts over). The stores the docs'
+Every command resumes from what it already has (``--fresh`` starts the named tasks over, and keeps
+every other task's runs in the store). The stores the docs'
 sections are written from (``Forks`` and ``autolr`` runs here; the cost, co-exploration and noise
 commands' too) are committed in ``benchmarks/lr/stored/`` beside the grids, so a clone rebuilds
 those sections (``tests/test_stored_sections.py``); every other store goes to ``runs/lr/``
@@ -49,6 +50,13 @@ QUICK_STEPS = 12
 
 def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def forget(store: dict[str, Any], tasks: list[str]) -> dict[str, Any]:
+    """``store`` without the runs of ``tasks`` (what ``--fresh`` starts over): a store holds every
+    task's runs, and a rerun of some must not drop the others' when it is written back."""
+    named = set(tasks)
+    return {k: v for k, v in store.items() if k.split("|")[0] not in named}
 
 
 def store_path(method: str, quick: bool = False) -> Path:
@@ -534,13 +542,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK_STEPS} steps a run: checks the plumbing only")
-    p.add_argument("--fresh", action="store_true", help="forget stored results of this command")
+    p.add_argument("--fresh", action="store_true",
+                   help="forget the stored results of this command for the tasks named (--tasks; "
+                   "all by default)")
     p.add_argument("--mixed-numerics", action="store_true",
                    help="eval against a stored grid whose runs this machine does not repeat bit for bit")
     a = p.parse_args(argv)
     steps = QUICK_STEPS if a.quick else None
     grid_path = RUNS / "grids-quick.json" if a.quick else GRIDS
-    grids = {} if a.fresh and a.command == "grid" else _load(grid_path)
+    grids = forget(_load(grid_path), a.tasks) if a.fresh and a.command == "grid" else _load(grid_path)
     if a.command == "grid" or a.quick:
         run_grid(a.tasks, grids, a.jobs, steps, grid_path)
         print(grids_markdown(grids) if not a.quick else f"{len(grids)} grid runs")
@@ -564,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             store = stored[method]
         else:
             path = store_path(method, a.quick)
-            store = {} if a.fresh else _load(path)
+            store = forget(_load(path), a.tasks) if a.fresh else _load(path)
             runs = [Run(t, method, lr, s, steps) for t in a.tasks
                     for lr in cells(t, grids, steps).values() for s in SEEDS]
             _run_all(runs, store, path, a.jobs)
