@@ -52,6 +52,17 @@ def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def study_args(command: str, doc: str, tasks_help: str, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments of a study that writes one section from one store (``benchmarks.lr.carve``,
+    ``benchmarks.lr.warmup``): ``--tasks`` (None: the study's own), ``--jobs``, ``--report-only``."""
+    p = argparse.ArgumentParser(prog=command, description=doc.split("\n")[0])
+    p.add_argument("--tasks", nargs="*", default=None, help=f"default: {tasks_help}")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: the section from the committed stores")
+    return p.parse_args(argv)
+
+
 def forget(store: dict[str, Any], tasks: list[str]) -> dict[str, Any]:
     """``store`` without the runs of ``tasks`` (what ``--fresh`` starts over): a store holds every
     task's runs, and a rerun of some must not drop the others' when it is written back."""

@@ -21,9 +21,7 @@ the section from the committed stores, or names the command that makes what is m
 
 from __future__ import annotations
 
-import argparse
 import math
-import os
 import statistics
 from typing import Any
 
@@ -35,6 +33,7 @@ from benchmarks.lr.__main__ import (
     _run_all,
     best_of_grid,
     numerics_problem,
+    study_args,
     write_section,
 )
 from benchmarks.lr.run import Run
@@ -139,12 +138,7 @@ def section(tasks: list[str], grids: dict[str, Any], store: dict[str, Any]) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
-    p.add_argument("--tasks", nargs="*", default=None, help="default: every task of rows")
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--report-only", action="store_true",
-                   help="run nothing: the section from the committed stores")
-    a = p.parse_args(argv)
+    a = study_args(COMMAND, __doc__, "every task of rows", argv)
     tasks = a.tasks if a.tasks is not None else row_tasks()
     grids, store = _load(GRIDS), _load(STORE)
     runs = [r for t in tasks for pair in _runs(t, grids) for r in pair if r.key not in grids]

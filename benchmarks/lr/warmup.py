@@ -1,5 +1,7 @@
-"""Recovery under a warm-up: ``hpx.Forks`` with its cuts at shares of the whole run, against the
-same cuts placed in the steps after the schedule's peak, on every OneCycleLR task of the suite.
+"""Recovery under a warm-up: hpx.Forks' cuts against the same cuts after the schedule's peak.
+
+``hpx.Forks`` with its cuts at shares of the whole run, against the same cuts placed in the steps
+after the schedule's peak, on every OneCycleLR task of the suite.
 
     python -m benchmarks.lr.warmup [--tasks ...] [--jobs 2] [--report-only]
 
@@ -22,13 +24,21 @@ missing.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
 from typing import Any
 
 from benchmarks import _store
-from benchmarks.lr.__main__ import SEEDS, STORED, _load, _run_all, cells, run_grid, table, write_section
+from benchmarks.lr.__main__ import (
+    SEEDS,
+    STORED,
+    _load,
+    _run_all,
+    cells,
+    run_grid,
+    study_args,
+    table,
+    write_section,
+)
 from benchmarks.lr.run import Run
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
@@ -107,12 +117,7 @@ def section(tasks: list[str], store: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=COMMAND, description=__doc__.split("\n")[0])
-    p.add_argument("--tasks", nargs="*", default=None, help="default: every OneCycleLR task")
-    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    p.add_argument("--report-only", action="store_true",
-                   help="run nothing: the section from the committed store")
-    a = p.parse_args(argv)
+    a = study_args(COMMAND, __doc__, "every OneCycleLR task", argv)
     tasks = a.tasks if a.tasks is not None else onecycle_tasks()
     store = _load(STORE)
     if a.report_only:
