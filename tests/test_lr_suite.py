@@ -866,6 +866,30 @@ def test_fresh_starts_the_named_tasks_over_and_keeps_every_other_tasks_runs(tmp_
     assert suite.forget({"a|x": 1, "a@whole|x": 2, "b|x": 3}, ["a"]) == {"a@whole|x": 2, "b|x": 3}
 
 
+def test_here_makes_this_machines_own_grid_and_runs_beside_the_committed_ones(tmp_path, monkeypatch, capsys):
+    """``--here``: a grid of this machine's own (made where it lacks a task) and the methods' runs
+    against it, in runs/lr; the committed grid, stores and docs are neither read nor written."""
+    from benchmarks.lr import __main__ as suite
+
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("the docs\n")
+    for name, path in (("RUNS", tmp_path / "runs"), ("STORED", tmp_path / "stored"),
+                       ("GRIDS", tmp_path / "stored" / "grids.json"), ("DOC", doc)):
+        monkeypatch.setattr(suite, name, path)
+    report = ["report", "--here", "--method", "Forks", "--tasks", "iris_short"]
+    with pytest.raises(SystemExit, match=r"grids-here.json holds no results for iris_short.*"
+                                         r"grid --here --tasks iris_short"):
+        suite.main(report)  # no grid here yet: the command that makes it is named
+    assert suite.main(["eval", "--here", "--method", "Forks", "--tasks", "iris_short", "--jobs", "1"]) == 0
+    grids = json.loads((tmp_path / "runs" / "grids-here.json").read_text())
+    runs = json.loads((tmp_path / "runs" / "Forks-here.json").read_text())
+    assert {k.split("|")[0] for k in grids} == {"iris_short"} and len(grids) >= 9 * 2
+    assert len(runs) == 3 * 2 and not (tmp_path / "stored").exists()
+    capsys.readouterr()
+    assert suite.main(report) == 0  # read from this machine's runs; the docs are not written
+    assert "| iris_short |" in capsys.readouterr().out and doc.read_text() == "the docs\n"
+
+
 def test_two_grids_made_with_other_rounding_are_compared_run_by_run():
     """benchmarks.lr.numerics: the same runs in two stored grids; a run that ended elsewhere counts
     as apart (and how far), one equal bit for bit as the same, and a best that moved is named."""

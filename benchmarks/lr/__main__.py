@@ -6,6 +6,11 @@
     python -m benchmarks.lr same --method A B      # do two methods' stored runs agree, cell by cell?
     python -m benchmarks.lr eval --quick           # a smoke run of every task (few steps)
 
+On a machine whose floating-point kernels do not repeat the committed grid (``eval`` says so),
+``--here`` makes this machine's own grid of the named tasks beside it (``runs/lr/grids-here.json``)
+and runs and reports the methods against that one (``runs/lr/<method>-here.json``): the committed
+stores and docs/benchmarks.md are left alone.
+
 Every command resumes from what it already has (``--fresh`` starts the named tasks over, and keeps
 every other task's runs in the store). The stores the docs'
 sections are written from (``Forks`` and ``autolr`` runs here; the cost, co-exploration and noise
@@ -70,20 +75,30 @@ def forget(store: dict[str, Any], tasks: list[str]) -> dict[str, Any]:
     return {k: v for k, v in store.items() if k.split("|")[0] not in named}
 
 
-def store_path(method: str, quick: bool = False) -> Path:
+def store_path(method: str, quick: bool = False, here: bool = False) -> Path:
     """Where ``eval --method method`` keeps its runs: committed (:data:`STORED`) for a method the
-    docs report, ``runs/lr`` otherwise and for a quick run."""
-    folder = STORED if method in REPORTED and not quick else RUNS
-    return folder / f"{method}{'-quick' if quick else ''}.json"
+    docs report, ``runs/lr`` otherwise and for a quick run or one against this machine's own grid
+    (``here``)."""
+    folder = STORED if method in REPORTED and not quick and not here else RUNS
+    return folder / f"{method}{'-quick' if quick else ''}{'-here' if here else ''}.json"
 
 
-def suite_runs(method: str, tasks: list[str], grids: dict[str, Any], steps: int | None = None
-               ) -> dict[str, Any]:
+def grid_path(quick: bool = False, here: bool = False) -> Path:
+    """Where the grid is kept: committed (:data:`GRIDS`), or in ``runs/lr`` for a quick run or this
+    machine's own grid (``here``)."""
+    if not quick and not here:
+        return GRIDS
+    return RUNS / f"grids{'-quick' if quick else ''}{'-here' if here else ''}.json"
+
+
+def suite_runs(method: str, tasks: list[str], grids: dict[str, Any], steps: int | None = None,
+               here: bool = False) -> dict[str, Any]:
     """The method's stored suite runs, for a report that writes from them: every cell (start x
     seed) of ``tasks``; when the store is missing or lacks a task's cell, an exit that names the
     ``eval`` command that makes them (nothing written)."""
-    path = store_path(method, quick=steps is not None)
-    command = f"python -m benchmarks.lr eval --method {method}{' --quick' if steps is not None else ''}"
+    path = store_path(method, quick=steps is not None, here=here)
+    command = (f"python -m benchmarks.lr eval --method {method}{' --quick' if steps is not None else ''}"
+               f"{' --here' if here else ''}")
     note = "hours on two cores" if steps is None else ""
     store = _store.load(path, command, DOC, note)
     missing = [t for t in tasks if any(Run(t, method, lr, s, steps).key not in store
@@ -219,7 +234,8 @@ def numerics_problem(task: str, grids: dict[str, Any], steps: int | None = None)
                 f"the stored grid does not repeat on this machine: {run.key} ended at validation loss "
                 f"{stored} there and {now} here (other floating-point kernels). Its plain runs cannot be "
                 f"compared with method runs made here: rerun the grid here (python -m benchmarks.lr grid "
-                f"--fresh), or pass --mixed-numerics to compare them anyway")
+                f"--fresh), make this machine's own grid beside it and compare against that (--here), or "
+                f"pass --mixed-numerics to compare them anyway")
 
 
 # ----------------------------------------------------------------------------- a method's cells
@@ -558,12 +574,15 @@ def main(argv: list[str] | None = None) -> int:
                    "all by default)")
     p.add_argument("--mixed-numerics", action="store_true",
                    help="eval against a stored grid whose runs this machine does not repeat bit for bit")
+    p.add_argument("--here", action="store_true",
+                   help="this machine's own grid of the tasks (made first where it lacks them) and the "
+                   "methods' runs against it, in runs/lr: nothing committed is read or written")
     a = p.parse_args(argv)
     steps = QUICK_STEPS if a.quick else None
-    grid_path = RUNS / "grids-quick.json" if a.quick else GRIDS
-    grids = forget(_load(grid_path), a.tasks) if a.fresh and a.command == "grid" else _load(grid_path)
-    if a.command == "grid" or a.quick:
-        run_grid(a.tasks, grids, a.jobs, steps, grid_path)
+    gpath = grid_path(a.quick, a.here)
+    grids = forget(_load(gpath), a.tasks) if a.fresh and a.command == "grid" else _load(gpath)
+    if a.command == "grid" or a.quick or (a.here and a.command == "eval"):
+        run_grid(a.tasks, grids, a.jobs, steps, gpath)
         print(grids_markdown(grids) if not a.quick else f"{len(grids)} grid runs")
         if a.command == "grid":
             return 0
@@ -571,27 +590,32 @@ def main(argv: list[str] | None = None) -> int:
         if len(a.method) != 2:
             p.error("same compares two methods: --method A B")
         x, y = a.method
-        both, differ = agreement(x, y, _load(store_path(x)), _load(store_path(y)))
+        both, differ = agreement(x, y, _load(store_path(x, here=a.here)), _load(store_path(y, here=a.here)))
         print(f"{x} and {y}: {both} cells run by both; the same lr and validation loss in "
               f"{both - len(differ)}" + "".join(f"\n  differ: {k}" for k in differ))
         return 0
+    lacking = [t for t in a.tasks if not grid_lrs(t, grids, steps)]
+    if lacking:  # a method's starts are read off the grid
+        flags = f"{' --quick' if a.quick else ''}{' --here' if a.here else ''}"
+        _store.refuse(gpath, f"python -m benchmarks.lr grid{flags} --tasks {' '.join(lacking)}", DOC,
+                      lacks=", ".join(lacking))
     tables = []
     if a.command == "eval" and not a.mixed_numerics:
         numerics_problem(a.tasks[0], grids, steps)
     if a.command == "report":  # from stored runs only: refused, naming `eval`, where any lacks a run
-        stored = {method: suite_runs(method, a.tasks, grids, steps) for method in a.method}
+        stored = {method: suite_runs(method, a.tasks, grids, steps, a.here) for method in a.method}
     for method in a.method:
         if a.command == "report":
             store = stored[method]
         else:
-            path = store_path(method, a.quick)
+            path = store_path(method, a.quick, a.here)
             store = forget(_load(path), a.tasks) if a.fresh else _load(path)
             runs = [Run(t, method, lr, s, steps) for t in a.tasks
                     for lr in cells(t, grids, steps).values() for s in SEEDS]
             _run_all(runs, store, path, a.jobs)
         tables.append(markdown(method, table(method, a.tasks, grids, store, steps)))
         print(f"### {method}\n\n{tables[-1]}")
-    if a.command == "report" and not a.quick and a.tasks == list(TASKS):
+    if a.command == "report" and not a.quick and not a.here and a.tasks == list(TASKS):
         write_docs(a.method, grids, tables)
     return 0
 
