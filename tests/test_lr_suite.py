@@ -873,8 +873,17 @@ def test_here_makes_this_machines_own_grid_and_runs_beside_the_committed_ones(tm
 
     doc = tmp_path / "benchmarks.md"
     doc.write_text("the docs\n")
-    for name, path in (("RUNS", tmp_path / "runs"), ("STORED", tmp_path / "stored"),
-                       ("GRIDS", tmp_path / "stored" / "grids.json"), ("DOC", doc)):
+    stored = tmp_path / "stored"
+    stored.mkdir()
+    # a committed grid whose best lr is another one (the top of the grid), and a committed store
+    real = {k: v for k, v in suite._load(suite.GRIDS).items() if k.startswith("iris_short|plain|")}
+    top = max(r["lr"] for r in real.values())
+    (stored / "grids.json").write_text(json.dumps({k: {**v, "val": 0.01 if v["lr"] == top else 1.0}
+                                                   for k, v in real.items()}))
+    (stored / "Forks.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in stored.iterdir()}
+    for name, path in (("RUNS", tmp_path / "runs"), ("STORED", stored), ("GRIDS", stored / "grids.json"),
+                       ("DOC", doc)):
         monkeypatch.setattr(suite, name, path)
     report = ["report", "--here", "--method", "Forks", "--tasks", "iris_short"]
     with pytest.raises(SystemExit, match=r"grids-here.json holds no results for iris_short.*"
@@ -884,10 +893,36 @@ def test_here_makes_this_machines_own_grid_and_runs_beside_the_committed_ones(tm
     grids = json.loads((tmp_path / "runs" / "grids-here.json").read_text())
     runs = json.loads((tmp_path / "runs" / "Forks-here.json").read_text())
     assert {k.split("|")[0] for k in grids} == {"iris_short"} and len(grids) >= 9 * 2
-    assert len(runs) == 3 * 2 and not (tmp_path / "stored").exists()
+    # the starts are read off this machine's grid, not the committed one (whose best is its top)
+    here = suite.cells("iris_short", grids)
+    keys = [Run("iris_short", "Forks", lr, s).key for lr in here.values() for s in suite.SEEDS]
+    assert sorted(runs) == sorted(keys)
+    assert here["1x"] != top == suite.cells("iris_short", json.loads(before["grids.json"]))["1x"]
+    assert {p.name: p.read_bytes() for p in stored.iterdir()} == before  # nothing committed written
     capsys.readouterr()
     assert suite.main(report) == 0  # read from this machine's runs; the docs are not written
     assert "| iris_short |" in capsys.readouterr().out and doc.read_text() == "the docs\n"
+    # a grid stopped part way (a seed's run missing) is not a grid: the same refusal
+    grids.pop(next(k for k in grids if k.endswith("|1")))
+    assert not suite.grid_complete("iris_short", grids) and suite.grid_complete("iris_short", real)
+
+
+def test_same_reads_the_stores_of_the_mode_it_is_given(tmp_path, monkeypatch, capsys):
+    """``same --quick`` (or ``--here``) compares the two methods' quick (or this machine's) stores,
+    not the full-length ones."""
+    from benchmarks.lr import __main__ as suite
+
+    monkeypatch.setattr(suite, "RUNS", tmp_path)
+    monkeypatch.setattr(suite, "STORED", tmp_path / "stored")  # the full-length stores: none
+    for suffix in ("-quick", "-here"):
+        for method, lr in (("Forks", 0.1), ("halving", 0.3)):
+            run = {"val": 0.5, "end_lr": lr}
+            (tmp_path / f"{method}{suffix}.json").write_text(json.dumps({f"iris_short|{method}|0.1|0": run}))
+    assert suite.main(["same", "--quick", "--method", "Forks", "halving", "--tasks", "iris_short",
+                       "--jobs", "1"]) == 0
+    assert "1 cells run by both; the same lr and validation loss in 0" in capsys.readouterr().out
+    assert suite.main(["same", "--here", "--method", "Forks", "halving"]) == 0
+    assert "1 cells run by both; the same lr and validation loss in 0" in capsys.readouterr().out
 
 
 def test_two_grids_made_with_other_rounding_are_compared_run_by_run():

@@ -155,7 +155,7 @@ def test_carve_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_s
     assert ran == [] and doc.read_bytes() == before
 
 
-def test_warmup_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_stores, monkeypatch):
+def test_warmup_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_stores, monkeypatch, capsys):
     runs, doc = lr_stores
     before = doc.read_bytes()
     ran: list = []
@@ -163,18 +163,46 @@ def test_warmup_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_
     monkeypatch.setattr(warmup, "run_grid", lambda *a, **k: ran.append(a))
     monkeypatch.setattr(warmup, "STORE", runs / "warmup.json")
     runs.mkdir(exist_ok=True)
-    committed = suite._load(warmup.STORED / "warmup.json")  # wine_short's grid and runs, digits_mlp's runs
-    held = {k: v for k, v in committed.items() if k.startswith("wine_short|")
-            or (k.startswith("digits_mlp|plain|"))}
+    committed = suite._load(warmup.STORED / "warmup.json")
+    # wine_short: its grid and every search's runs; digits_mlp: its grid alone; digits_lstm: its grid
+    # stopped part way (one seed's run missing); cancer_dropout: nothing
+    held = {k: v for k, v in committed.items() if k.startswith(("wine_short|", "digits_mlp|plain|"))
+            or (k.startswith("digits_lstm|") and not k.endswith("|plain|0.03|1"))}
+    assert len(held) < len([k for k in committed if k.startswith(("wine_short|", "digits_mlp|plain|",
+                                                                    "digits_lstm|"))])
     (runs / "warmup.json").write_text(json.dumps(held))
-    message = _refused(lambda: warmup.main(["--tasks", "wine_short", "digits_mlp", "--report-only"]),
-                       "warmup.json holds no results for digits_mlp", warmup.COMMAND)
+    tasks = ["wine_short", "digits_mlp", "digits_lstm", "cancer_dropout"]
+    message = _refused(lambda: warmup.main(["--tasks", *tasks, "--report-only"]),
+                       "warmup.json holds no results for digits_mlp, digits_lstm, cancer_dropout",
+                       f"{warmup.COMMAND} --tasks digits_mlp digits_lstm cancer_dropout")
     assert "wine_short" not in message
     assert ran == [] and doc.read_bytes() == before
-    # the task's runs in place, the same command reads the section without running anything
+    # the tasks' runs in place, the same command prints the section without running anything
     (runs / "warmup.json").write_text(json.dumps({k: v for k, v in committed.items()
                                                   if k.split("|")[0] in ("wine_short", "digits_mlp")}))
+    capsys.readouterr()
     assert warmup.main(["--tasks", "wine_short", "digits_mlp", "--report-only"]) == 0
+    assert "| design (2) | hpx.Forks" in capsys.readouterr().out
+    assert ran == [] and doc.read_bytes() == before
+
+
+def test_warmup_refuses_to_resume_a_store_whose_grid_this_machine_does_not_repeat(lr_stores, monkeypatch):
+    """The store's grid and the searches must share one machine's kernels: a grid run that does not
+    repeat here (as if made elsewhere) stops the command before it runs anything."""
+    runs, doc = lr_stores
+    before = doc.read_bytes()
+    ran: list = []
+    monkeypatch.setattr(warmup, "_run_all", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(warmup, "run_grid", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(warmup, "STORE", runs / "warmup.json")
+    runs.mkdir(exist_ok=True)
+    committed = suite._load(warmup.STORED / "warmup.json")
+    grid = {k: v for k, v in committed.items() if k.startswith("wine_short|plain|")}
+    for r in grid.values():  # every run as if another machine's kernels had made it
+        r["val"] = None if r["val"] is None else r["val"] * 1.3
+    (runs / "warmup.json").write_text(json.dumps(grid))
+    with pytest.raises(SystemExit, match="does not repeat on this machine"):
+        warmup.main(["--tasks", "wine_short"])
     assert ran == [] and doc.read_bytes() == before
 
 

@@ -173,6 +173,13 @@ def grid_lrs(task: str, store: dict[str, Any], steps: int | None = None) -> list
                    and (r.get("steps") == steps)})
 
 
+def grid_complete(task: str, store: dict[str, Any], steps: int | None = None) -> bool:
+    """Whether the store holds the task's grid: some peak lr, and every seed's run at each (a grid
+    stopped part way holds a seed's run without the other's)."""
+    lrs = grid_lrs(task, store, steps)
+    return bool(lrs) and all(Run(task, "plain", lr, s, steps).key in store for lr in lrs for s in SEEDS)
+
+
 def best_of_grid(task: str, store: dict[str, Any],
                  steps: int | None = None) -> tuple[int, list[float], list[float]]:
     """(index of the best lr, the lrs, their mean validation losses over the seeds)."""
@@ -590,15 +597,19 @@ def main(argv: list[str] | None = None) -> int:
         if len(a.method) != 2:
             p.error("same compares two methods: --method A B")
         x, y = a.method
-        both, differ = agreement(x, y, _load(store_path(x, here=a.here)), _load(store_path(y, here=a.here)))
+        stores = [_load(store_path(m, a.quick, a.here)) for m in (x, y)]
+        both, differ = agreement(x, y, *stores)
         print(f"{x} and {y}: {both} cells run by both; the same lr and validation loss in "
               f"{both - len(differ)}" + "".join(f"\n  differ: {k}" for k in differ))
         return 0
-    lacking = [t for t in a.tasks if not grid_lrs(t, grids, steps)]
+    lacking = [t for t in a.tasks if not grid_complete(t, grids, steps)]
     if lacking:  # a method's starts are read off the grid
         flags = f"{' --quick' if a.quick else ''}{' --here' if a.here else ''}"
+        # writing into the committed grid needs a machine that repeats it
+        note = "" if a.here or a.quick else (
+            "or, on a machine that does not repeat the committed grid, its own grid: the same with --here")
         _store.refuse(gpath, f"python -m benchmarks.lr grid{flags} --tasks {' '.join(lacking)}", DOC,
-                      lacks=", ".join(lacking))
+                      lacks=", ".join(lacking), note=note)
     tables = []
     if a.command == "eval" and not a.mixed_numerics:
         numerics_problem(a.tasks[0], grids, steps)
