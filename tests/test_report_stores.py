@@ -155,15 +155,21 @@ def test_carve_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_s
     assert ran == [] and doc.read_bytes() == before
 
 
-def test_warmup_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_stores, monkeypatch, capsys):
-    runs, doc = lr_stores
-    before = doc.read_bytes()
+def _warmup_in(runs, monkeypatch) -> tuple[list, dict]:
+    """benchmarks.lr.warmup with its store in ``runs`` and its grid and runs replaced by a record of
+    their calls (none expected); and the committed store, to take runs from."""
     ran: list = []
     monkeypatch.setattr(warmup, "_run_all", lambda *a, **k: ran.append(a))
     monkeypatch.setattr(warmup, "run_grid", lambda *a, **k: ran.append(a))
     monkeypatch.setattr(warmup, "STORE", runs / "warmup.json")
     runs.mkdir(exist_ok=True)
-    committed = suite._load(warmup.STORED / "warmup.json")
+    return ran, suite._load(warmup.STORED / "warmup.json")
+
+
+def test_warmup_report_only_runs_nothing_and_refuses_a_store_short_of_a_task(lr_stores, monkeypatch, capsys):
+    runs, doc = lr_stores
+    before = doc.read_bytes()
+    ran, committed = _warmup_in(runs, monkeypatch)
     # wine_short: its grid and every search's runs; digits_mlp: its grid alone; digits_lstm: its grid
     # stopped part way (one seed's run missing); cancer_dropout: nothing
     held = {k: v for k, v in committed.items() if k.startswith(("wine_short|", "digits_mlp|plain|"))
@@ -191,12 +197,7 @@ def test_warmup_refuses_to_resume_a_store_whose_grid_this_machine_does_not_repea
     repeat here (as if made elsewhere) stops the command before it runs anything."""
     runs, doc = lr_stores
     before = doc.read_bytes()
-    ran: list = []
-    monkeypatch.setattr(warmup, "_run_all", lambda *a, **k: ran.append(a))
-    monkeypatch.setattr(warmup, "run_grid", lambda *a, **k: ran.append(a))
-    monkeypatch.setattr(warmup, "STORE", runs / "warmup.json")
-    runs.mkdir(exist_ok=True)
-    committed = suite._load(warmup.STORED / "warmup.json")
+    ran, committed = _warmup_in(runs, monkeypatch)
     grid = {k: v for k, v in committed.items() if k.startswith("wine_short|plain|")}
     for r in grid.values():  # every run as if another machine's kernels had made it
         r["val"] = None if r["val"] is None else r["val"] * 1.3
