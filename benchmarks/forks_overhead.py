@@ -8,7 +8,7 @@ that takes the same steps.
 An MLP (64 -> 512 -> 512 -> 10) on scikit-learn's bundled digits, AdamW under OneCycleLR, batches
 of 64 drawn from the first 797 rows, 300 optimizer steps; the probe is 100 or 1,000 of the other
 rows (in batches of 250), its loss per example (``reduction="none"``) or the batch's mean (the
-end's test then needs each example's loss alone: :func:`hpx._fork_probe._each_example`).
+end's test then needs each example's loss alone: :func:`hpx.forks.probe._each_example`).
 
 ``hpx.Forks`` runs at its defaults and records, at each step, which models it stepped (forks and
 annealed copies), at which multiple of the scheduler's learning rate, and which model each new

@@ -22,7 +22,7 @@ import torch
 
 import hpx
 from benchmarks.tasks import get_task
-from hpx._step import _split
+from hpx._batch import _split
 
 
 def _setup(task_name: str, sync_every: int):
@@ -52,7 +52,7 @@ def _setup(task_name: str, sync_every: int):
     def plain_steps(n: int) -> None:
         for _ in range(n):
             t = state["t_plain"]
-            # hpx._step._split is private, with no public equivalent: it is how Engine.step
+            # hpx._batch._split is private, with no public equivalent: it is how Engine.step
             # splits a batch among replicas, used here so the plain steps get the same chunks
             parts = _split(batches[t % len(batches)], 4)
             lr = task.grid_center * f(t % task.steps)
@@ -96,7 +96,7 @@ def parts(task_name: str, sync_every: int = 100, n: int = 2000) -> dict[str, flo
     """Microseconds per call of the engine's per-step parts (timed directly, no profiler).
 
     There is no public API for these: they call the engine's private per-step helpers,
-    each documented in hpx/engine.py (``_GradBuckets.average_``/``zero_``: the shared
+    each documented in hpx/engine/facade.py (``_GradBuckets.average_``/``zero_``: the shared
     gradient's mean and reset; ``Engine._write``: the schedule's values written;
     ``_split``: the batch split among replicas), as they are, without patching anything.
     """

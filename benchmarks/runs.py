@@ -21,7 +21,7 @@ import hpx
 from benchmarks.tasks import Task, get_task, warmup_flat
 from benchmarks.variants import VARIANTS, build_signal, make_controller, signal_cost
 from hpx.averaging import float_state
-from hpx.engine import _CONTROLLER_SETTINGS
+from hpx.engine.facade import _CONTROLLER_SETTINGS
 
 __all__ = ["RunSpec", "consensus_copy", "run"]
 

@@ -20,12 +20,11 @@ generator, which draws dropout masks, CUDA's, Python's ``random`` and NumPy's), 
 the resumed run continues as the uninterrupted one would have, bit for bit on CPU. Every digest
 carries its run's identity (:mod:`hpx._identity`): another run's steps are refused.
 
-Sharded replicas (:class:`hpx.backends.Mesh`, FSDP2): the models' and optimizers' shards and
-the search's starting point go through ``torch.distributed.checkpoint`` into
-``step-.../sharded/``, written by every process together; each process's file then holds the
-rest (knobs, search, history, random streams). Such a checkpoint resumes on another number of
-shard processes per replica (the same number of replicas): ``torch.distributed.checkpoint``
-reshards.
+This module knows no route: it saves what the object's ``state_dict()`` gives and loads it back
+through the hooks of :class:`hpx._checkpointed._Checkpointed`. Each route keeps its own checks in
+its own package (:mod:`hpx.forks.checkpoint`, :mod:`hpx.engine.checkpoint`); sharded replicas
+(:class:`hpx.backends.Mesh`, FSDP2) add their shards through ``torch.distributed.checkpoint``
+(``step-.../sharded/``), and resume on another number of shard processes per replica.
 
 Under ``torchrun --max-restarts``, restarted gloo workers re-initialise reliably only with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the environment (torch 2.13; pytorch#135712).
@@ -42,8 +41,8 @@ from typing import Any
 
 import torch
 
+from hpx._checkpointed import _Checkpointed
 from hpx._files import (
-    _SHARDS,
     _STEP_DIR,
     _clean_stale,
     _complete_for_all,
@@ -69,10 +68,7 @@ from hpx._loading import (
     _step_problems,
     _together,
 )
-from hpx._save_checks import _unsound_forks
-from hpx.engine import Engine
-from hpx.errors import ConfigError, NonFiniteError
-from hpx.forks import Forks
+from hpx.errors import ConfigError
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -82,7 +78,7 @@ _FORMAT = 1
 _CANDIDATES = 32  # newest complete steps each rank offers when the ranks agree on one
 
 
-def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *,
+def save_checkpoint(directory: str | os.PathLike[str], engine: _Checkpointed, *,
                     extra: Mapping[str, Any] | None = None, keep: int = 2) -> Path | None:
     """Save this rank's part of the run at ``engine.step_count``; return the file written, or
     ``None`` when a replica's weights are non-finite (nothing is written).
@@ -132,20 +128,9 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
     rank = _processes(engine).rank  # another run's steps there: refused on every rank before a write
     _together(engine, save_problems(Path(directory), rank, engine, engine.step_count),
               f"saving step {engine.step_count}", ending="nothing was saved on any rank")
-    if isinstance(engine, Forks):
-        blown = _unsound_forks(engine)
-        if blown:
-            log.warning("step %d not saved: the trainable weights or optimizer state of %s are non-finite, "
-                        "and a checkpoint must not resume from them (nothing was written, so the previous "
-                        "checkpoints stay): resume from the newest with load_checkpoint, at a lower "
-                        "learning rate or with the batches since it checked for NaN/inf",
-                        engine.step_count, ", ".join(blown))
-            return None
-    unsound = _unsound(engine)
-    if unsound:
-        log.warning("step %d not saved: the weights of replica(s) %s are non-finite, and a checkpoint "
-                    "must not resume from them (the previous checkpoints are kept; the next sync resets "
-                    "such replicas from the others, save after it)", engine.step_count, unsound)
+    withheld = engine._unsaveable()  # the route's own check: a non-finite run is never saved
+    if withheld is not None:
+        log.warning("%s", withheld)
         return None
     state = {
         "format": _FORMAT,
@@ -160,12 +145,9 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
     folder = Path(directory) / f"step-{engine.step_count:09d}"
     folder.mkdir(parents=True, exist_ok=True)
     _clean_stale(Path(directory), rank)
-    if _sharded(engine):  # the shards through torch.distributed.checkpoint, by every process
-        _save_shards(engine, folder / _SHARDS)
-        eng = state["engine"]
-        del eng["replicas"]
-        state["anchored"], eng["anchor"] = eng["anchor"] is not None, None
-        state["replica"] = engine.collective.rank
+    shards = engine._shard_files()
+    if shards is not None:  # the shards through torch.distributed.checkpoint, by every process
+        shards.save(folder, state)
     path = folder / f"rank-{rank:05d}.pt"
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -185,20 +167,7 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
     return path
 
 
-def _unsound(engine: Engine | Forks) -> list[int]:
-    """The replicas (global indices) whose weights or floating buffers are non-finite, the same
-    list on every rank (one pass over the weights and one gather). None for hpx.Forks: see
-    :func:`_unsound_forks`."""
-    if isinstance(engine, Forks):
-        return []
-    try:
-        sound = engine._sound()
-    except NonFiniteError:
-        return list(range(engine.n_replicas))
-    return (~sound).nonzero().reshape(-1).tolist()
-
-
-def load_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *,
+def load_checkpoint(directory: str | os.PathLike[str], engine: _Checkpointed, *,
                     extra: Mapping[str, Any] | None = None, rng: bool = True,
                     elastic: bool = False, required: bool = False) -> int | None:
     """Resume from the newest step that every rank saved completely; return it, or ``None``
@@ -235,15 +204,17 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: Engine | Forks, *
     problems = _extra_problems(extra) + _directory_problems(root)
     if not isinstance(required, bool):
         problems.append(f"required must be True or False (got {required!r})")
-    if elastic and isinstance(engine, Forks):
-        problems.append("hpx.Forks resumes with the saved run's process count: load_checkpoint(..., "
-                        "elastic=False)")
+    if elastic and engine._elastic_refusal is not None:
+        problems.append(engine._elastic_refusal)
     ConfigError.check(problems)
     # shared mode over processes: a rank that trains instead of loading meets this, not a hang
     engine._check_aligned("loading a checkpoint")
     _clean_stale(root, _processes(engine).rank, loading=True)
-    load = _load_elastic if elastic else _load_sharded if _sharded(engine) else _load_own
-    step = load(root, engine, extra, rng)
+    shards = engine._shard_files()
+    if shards is not None:
+        step = shards.load(root, extra, rng, elastic)
+    else:
+        step = (_load_elastic if elastic else _load_own)(root, engine, extra, rng)
     if step is None:
         _fresh_start(root, engine, required)
     return step
@@ -284,7 +255,7 @@ def _missing(root: Path, rank: int) -> str:
     return f"; on rank {rank}: {', '.join(lacks)}" if lacks else ""
 
 
-def _fresh_start(root: Path, engine: Engine, required: bool) -> None:
+def _fresh_start(root: Path, engine: _Checkpointed, required: bool) -> None:
     """Say why nothing was loaded when step folders exist on some rank (every rank says the
     same, so no rank goes on alone), or raise when ``required``."""
     here = root.is_dir() and any(_STEP_DIR.match(e.name) for e in root.iterdir())
@@ -302,14 +273,14 @@ def _fresh_start(root: Path, engine: Engine, required: bool) -> None:
     log.warning("%s: starting fresh from step 0", why)
 
 
-def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool) -> int | None:
+def _load_own(root: Path, engine: _Checkpointed, extra: Mapping[str, Any] | None, rng: bool) -> int | None:
     """This rank's file of the newest step that every rank has complete and intact."""
     rank = _processes(engine).rank
     excluded: set[int] = set()
     while True:
         step = _agree(engine, [s for s in _complete_steps(root, rank) if s not in excluded])
         if step is None:  # not a fresh start when the steps are another process count's: say so
-            hint = "" if isinstance(engine, Forks) else ", or with load_checkpoint(..., elastic=True)"
+            hint = _elastic_hint(engine)
             world = _processes(engine).world_size
             _together(engine, _other_world_problems(root, world, hint), "the checkpoint")
             return None
@@ -328,7 +299,7 @@ def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: 
         if state.get("format") != _FORMAT:
             problems.append(f"{path}: unknown checkpoint file format {state.get('format')!r}")
         if state.get("world_size") != _processes(engine).world_size:
-            how = "" if isinstance(engine, Forks) else ", or with load_checkpoint(..., elastic=True)"
+            how = _elastic_hint(engine)
             saved, now = state.get("world_size"), _processes(engine).world_size
             problems.append(f"{path} was saved by a run of {saved} processes, this one has {now}: resume "
                             f"with the saved run's process count{how}")
@@ -344,10 +315,9 @@ def _load_own(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: 
     return step
 
 
-def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool) -> int | None:
+def _load_elastic(root: Path, engine: _Checkpointed, extra: Mapping[str, Any] | None, rng: bool,
+                  ) -> int | None:
     """Every saved rank's file of the newest step complete for all of them, into ``engine``."""
-    if _sharded(engine):
-        return _load_sharded(root, engine, extra, rng, elastic=True)
     rank = engine.collective.rank
     found = _newest_for_all(root, engine)
     if found is None:
@@ -374,162 +344,10 @@ def _load_elastic(root: Path, engine: Engine, extra: Mapping[str, Any] | None, r
     return step
 
 
-def _sharded(engine: Engine) -> bool:
-    """Whether the engine's replicas span several processes (``hpx.backends.Mesh``)."""
-    return _processes(engine) is not engine.collective
-
-
-def _shard_state(engine: Engine, anchored: bool, replica: int | None = None,
-                 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """What goes through torch.distributed.checkpoint: the model's and optimizer's state and the
-    search's starting point; returned as (the state as torch gives it, the same tensors as this
-    replica's own entries). torch.distributed.checkpoint takes a tensor replicated over the
-    mesh's replicate dim to be the same on every replica, and hpx's replicas differ: each
-    replica's tensors are re-viewed on its shard group alone (the same storage) under a key of
-    its own, ``replica<r>`` (``replica``: another replica's key, to load that one's tensors)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.tensor import DTensor
-
-    from hpx.averaging import params
-
-    rep = engine.replicas[0]
-    params(rep.model)  # FSDP2: back to the sharded parameters before they are read
-    model_sd, optim_sd = get_state_dict(rep.model, rep.optimizer)
-    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-    if anchored:
-        shards = engine._anchor if engine._anchor is not None else [
-            torch.zeros_like(t) for t in params(rep.model)]
-        state["anchor"] = {
-            name: DTensor.from_local(a, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                     stride=p.stride()) if isinstance(p, DTensor) else a
-            for (name, p), a in zip(rep.model.named_parameters(), shards)}
-    shard_dim = engine.collective.shard_dim
-
-    def own(x: Any) -> Any:
-        if isinstance(x, DTensor) and x.device_mesh.ndim == 2:
-            return DTensor.from_local(x.to_local(), x.device_mesh[shard_dim], x.placements[1:],
-                                      run_check=False, shape=x.shape, stride=x.stride())
-        if isinstance(x, dict):
-            return {k: own(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [own(v) for v in x]
-        return x
-
-    key = engine.collective.rank if replica is None else replica
-    return state, {f"replica{key}": own(state)}
-
-
-def _save_shards(engine: Engine, where: Path) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_shard_state(engine, engine._anchor is not None)[1], checkpoint_id=str(where))
-
-
-def _load_sharded(root: Path, engine: Engine, extra: Mapping[str, Any] | None, rng: bool,
-                  elastic: bool = False) -> int | None:
-    """The newest step every saved process completed, into sharded replicas (any number of
-    shard processes per replica: torch.distributed.checkpoint reshards). ``elastic``: another
-    replica count (or layout): every replica starts from the mean of the saved replicas'
-    weights and optimizer state, each read into this rank's shards in turn."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    from hpx.averaging import local
-
-    procs = _processes(engine)
-    found = _newest_for_all(root, engine, lambda folder: (folder / _SHARDS / ".metadata").is_file())
-    if found is None:
-        return None
-    step, folder, paths = found
-    states = [torch.load(p, map_location="cpu", weights_only=False) for p in paths]
-    if any("replica" not in st for st in states):
-        raise ConfigError([f"{folder} was not saved from sharded replicas: resume it with the backend it "
-                           "was saved with"])
-    problems = []
-    saved = sorted({st["replica"] for st in states})
-    same = states[procs.rank] if procs.rank < len(states) else None
-    if elastic:  # hpx's state from the saved process 0; this process's own streams if it had one
-        first = min(states, key=lambda st: st["rank"])
-        own, eng = same if same is not None else first, dict(first.get("engine") or {})
-        keys = saved
-    else:
-        mine = [st for st in states if st["replica"] == engine.collective.rank]
-        if not mine:
-            problems.append(f"{folder} holds no process of replica {engine.collective.rank} (its replicas: "
-                            f"{saved}): resume with as many replicas, or with load_checkpoint(..., "
-                            "elastic=True)")
-        # the same process's file when the layout is the same (its random streams and data
-        # position), else the first of its replica's
-        own = same if same is not None and same["replica"] == engine.collective.rank else (
-            mine[0] if mine else states[0])
-        eng, keys = dict(own.get("engine") or {}), [engine.collective.rank]
-    anchored = bool(own.get("anchored"))
-    if anchored:  # shaped like this run's shards, for the checks; loaded below
-        eng["anchor"] = [torch.zeros_like(t) for t in _local_params(engine)]
-    problems += [f"{folder}: {p}" for p in engine._load_problems(eng, elastic=elastic)]
-    if elastic and eng.get("n_replicas") != len(saved):
-        problems.append(f"{folder} holds the files of replicas {saved} of a run of {eng.get('n_replicas')}: "
-                        "it is incomplete")
-    problems += _saved_extra_problems(folder, own, extra)
-    _together(engine, problems, f"step {step}")
-    sums: list[torch.Tensor] = []
-    for r in keys:  # a replica's tensors into this rank's shards' own storage, and the rest
-        shards, view = _shard_state(engine, anchored, replica=r)  # (param groups' settings) adopted
-        dcp.load(view, checkpoint_id=str(folder / _SHARDS))
-        _adopt(shards, view[f"replica{r}"])
-        if len(keys) > 1:  # elastic: their floating tensors summed, replica by replica
-            tensors = [local(t).detach() for t in _floating(shards)]
-            if sums:
-                torch._foreach_add_(sums, tensors)
-            else:
-                sums = [t.clone() for t in tensors]
-    if sums:
-        with torch.no_grad():
-            torch._foreach_div_(sums, float(len(keys)))
-            torch._foreach_copy_([local(t) for t in _floating(shards)], sums)  # the anchor: equal on all
-    rep = engine.replicas[0]
-    set_state_dict(rep.model, rep.optimizer, model_state_dict=shards["model"],
-                   optim_state_dict=shards["optim"])
-    if anchored:
-        eng["anchor"] = [local(t).clone() for t in shards["anchor"].values()]
-    _act(engine, f"step {step}", lambda: _load_extras(own, extra),
-         lambda: engine._resume_elastic(eng) if elastic else engine.load_state_dict(eng),
-         lambda: _set_rng_state(own["rng"]) if rng else None,
-         lambda: taken_over(engine, paths[min(procs.rank, len(paths) - 1)]))
-    return step
-
-
-def _floating(state: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of a nested state, in a fixed order."""
-    if isinstance(state, dict):
-        return [t for k in state for t in _floating(state[k])]
-    if isinstance(state, (list, tuple)):
-        return [t for v in state for t in _floating(v)]
-    return [state] if torch.is_tensor(state) and state.is_floating_point() else []
-
-
-def _adopt(into: Any, loaded: Any) -> None:
-    """Copy the non-tensor values of ``loaded`` into the same places of ``into`` (tensors were
-    loaded in place, into storage the two share)."""
-    keys = into.keys() if isinstance(into, dict) else range(len(into))
-    for k in keys:
-        a, b = into[k], loaded[k]
-        if isinstance(a, (dict, list)):
-            _adopt(a, b)
-        elif not torch.is_tensor(a):
-            into[k] = b
-
-
-def _local_params(engine: Engine) -> list[torch.Tensor]:
-    from hpx.averaging import params
-
-    return params(engine.replicas[0].model)
-
-
 # --- helpers ------------------------------------------------------------------------------
 
 
-def _newest_for_all(root: Path, engine: Engine, also: Callable[[Path], bool] | None = None,
+def _newest_for_all(root: Path, engine: _Checkpointed, also: Callable[[Path], bool] | None = None,
                     ) -> tuple[int, Path, list[Path]] | None:
     """The newest step whose every saved process's file is complete and intact (and ``also``
     holds for its folder) on every process: (step, folder, the files), or None."""
@@ -547,13 +365,18 @@ def _newest_for_all(root: Path, engine: Engine, also: Callable[[Path], bool] | N
         excluded.add(step)
 
 
+def _elastic_hint(engine: _Checkpointed) -> str:
+    """The other way to resume a run saved with another process count, where the route has one."""
+    return "" if engine._elastic_refusal is not None else ", or with load_checkpoint(..., elastic=True)"
+
+
 def _call_problems(who: str, directory: Any, engine: Any) -> list[str]:
     """Arguments of another kind than a directory and an engine (swapped, or not given)."""
     problems = []
     if not isinstance(directory, (str, os.PathLike)):
         problems.append(f"{who}'s directory must be a path, a str or pathlib.Path (got "
                         f"{type(directory).__name__}): call {who}(directory, engine)")
-    if not isinstance(engine, (Engine, Forks)):
+    if not isinstance(engine, _Checkpointed):
         problems.append(f"{who}'s engine must be an hpx.Engine or hpx.Forks (got {type(engine).__name__}): "
                         f"call {who}(directory, engine) with the engine or forks you train")
     return problems
@@ -583,7 +406,7 @@ def _stateful(obj: object) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
-def _agree(engine: Engine, steps: list[int]) -> int | None:
+def _agree(engine: _Checkpointed, steps: list[int]) -> int | None:
     """The newest step in every rank's ``steps`` (each rank offers its newest few)."""
     offer = torch.full((_CANDIDATES,), -1.0, dtype=torch.float64)
     mine = steps[:_CANDIDATES]

@@ -1,4 +1,4 @@
-"""The marker that catches ranks at different steps (hpx/_aligned.py), in one process: the
+"""The marker that catches ranks at different steps (hpx/engine/aligned.py), in one process: the
 arithmetic on each side. The real pairing across processes is tested on 4 gloo ranks in
 tests/test_engine_dist.py (test_ranks_that_ran_different_numbers_of_steps_fail_clearly_...)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpx._aligned import check_aligned, met_a_sync
+from hpx.engine.aligned import check_aligned, met_a_sync
 from hpx.errors import ConsistencyError
 
 

@@ -234,7 +234,7 @@ def test_the_shared_gradient_is_the_mean_in_flat_buckets(digits):
     """A gradient per replica (per-replica optimizers): every replica's gradient is a view of one
     flat buffer, and after the step each holds the mean of the replicas' own gradients (checked
     against each replica's backward run by hand), even after a zero_grad(set_to_none=True)."""
-    from hpx.engine import _GradBuckets
+    from hpx.engine.step import _GradBuckets
 
     engine = hpx.Engine(mlp(), sgd(0.1), [hpx.LearningRate(spread=0.3)], replicas=3, sync_every=2,
                         shared_optimizer_state=False)

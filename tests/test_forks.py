@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpx
-from hpx._forks import paired_gain
 from hpx.backends import TorchDistributed
+from hpx.forks.fork import paired_gain
 from tests._dist import run_distributed
 
 STEPS = 30

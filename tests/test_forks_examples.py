@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hpx
-from hpx._fork_probe import _each_example
+from hpx.forks.probe import _each_example
 
 STEPS = 30
 

@@ -78,10 +78,10 @@ def _decisions(forks) -> list[tuple]:
 
 
 def _scenario(rank: int, world: int, directory: str) -> dict:
-    import hpx._fork_ranks
+    import hpx.forks.ranks
 
     out: dict = {}
-    hpx._fork_ranks._BUCKET = 100  # the whole forks' gradients all-reduced in many small buckets
+    hpx.forks.ranks._BUCKET = 100  # the whole forks' gradients all-reduced in many small buckets
     model, whole = _build(sharded=False)
     _train(whole, rank)
     out["whole"] = (_decisions(whole), [r.scores for r in whole.history], [t.clone() for t in _whole(model)])
@@ -185,7 +185,7 @@ def test_a_shard_that_is_no_function_or_shards_nothing_is_refused_by_name():
 
 
 def test_gradients_travel_in_buckets_of_a_bounded_size():
-    from hpx._fork_ranks import _BUCKET, _buckets
+    from hpx.forks.ranks import _BUCKET, _buckets
 
     ps = [torch.empty(n) for n in (10, _BUCKET - 10, 1, _BUCKET + 5, 3)]
     got = [[p.numel() for p in b] for b in _buckets(ps)]

@@ -19,7 +19,7 @@ from torch import nn
 import hpx
 from benchmarks.reliability import _InfGrad
 from hpx._health import _Health
-from hpx._step import _GradBuckets, _OneGradient
+from hpx.engine.step import _GradBuckets, _OneGradient
 from tests._dist import run_distributed
 
 STEPS, T, FAULT = 100, 10, 25  # the fault hits replica 1 at step FAULT (0-based)

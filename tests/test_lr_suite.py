@@ -1087,7 +1087,7 @@ def test_the_end_tests_robust_statistics_read_a_heavy_tail_as_they_should():
     difference against the rest, the mean's z falls below 2 while the trimmed and rank statistics
     still read the lead the other differences show."""
     from benchmarks.lr.endtest import STATISTICS, signrank_z, trimmed_z
-    from hpx._forks import paired_gain
+    from hpx.forks.fork import paired_gain
 
     g = torch.Generator().manual_seed(0)
     d = torch.randn(60, generator=g, dtype=torch.float64) + 0.5
@@ -1194,7 +1194,7 @@ def test_the_sweep_replay_keeps_the_start_unless_the_best_candidate_wins_by_z():
     lower (z = 0) and, with z > 0, only when it wins by z standard errors of the per-example
     difference; read counts the bar's rows on what each start keeps."""
     from benchmarks.lr import sweep
-    from hpx._forks import paired_gain
+    from hpx.forks.fork import paired_gain
 
     grids, store = _sweep_grid()
     decade = sweep.SWEEPS["3 runs, a decade apart"]

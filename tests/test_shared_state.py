@@ -251,7 +251,7 @@ def _nan_on(replica: int, calls: set[int]):
 
 @pytest.mark.parametrize("host", [True, False])
 def test_a_nan_loss_is_left_out_of_the_one_gradient(digits, host):
-    from hpx.engine import _OneGradient
+    from hpx.engine.step import _OneGradient
 
     x, y = digits
     a, b = build(SHAREABLE["AdamW"]), build(SHAREABLE["AdamW"], share=False)
@@ -291,7 +291,7 @@ def test_off_the_host_the_one_gradient_masks_on_the_device(digits):
     """Where reading a loss would wait for the device, every backward writes into a scratch
     gradient that is added in unless its loss is non-finite, decided on the device: the same
     run as the host path and as a gradient per replica (forced here on the CPU)."""
-    from hpx.engine import _OneGradient
+    from hpx.engine.step import _OneGradient
 
     x, y = digits
     runs = []
@@ -368,7 +368,7 @@ def test_frozen_parameters_take_no_room_in_the_shared_state(digits):
 
 
 def test_settings_held_as_tensors_are_compared_by_value():
-    from hpx._shared_state import unshareable
+    from hpx.engine.shared_state import unshareable
 
     def replicas(beta2):
         out = []

@@ -16,7 +16,7 @@ least 10 more of the challengers at least 5% better from 10x off.
 
 The statistics, each in units of its own standard error (positive: the challenger lower):
 
-- ``mean``: the end's test today (:func:`hpx._forks.paired_gain`);
+- ``mean``: the end's test today (:func:`hpx.forks.fork.paired_gain`);
 - ``trim10``, ``trim20``: Yuen's trimmed mean (10% or 20% cut from each tail of the differences)
   over its winsorized standard error;
 - ``signrank``: Wilcoxon's signed-rank statistic, standardised (ties averaged, zeros dropped).
@@ -38,7 +38,7 @@ import torch
 
 from benchmarks.lr.run import Run
 from benchmarks.lr.trainsplit import replay_pairs, stored_design_runs
-from hpx._forks import paired_gain
+from hpx.forks.fork import paired_gain
 
 __all__ = ["STATISTICS", "main", "signrank_z", "trimmed_z"]
 

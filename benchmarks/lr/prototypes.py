@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.lr.tasks import Task
-from hpx._forks import paired_gain as _gain
+from hpx.forks.fork import paired_gain as _gain
 
 __all__ = ["LOOPS", "mechanic", "paired_gain", "probe_at", "probe_loss", "range_test", "steps_taken"]
 

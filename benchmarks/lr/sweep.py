@@ -31,7 +31,7 @@ import torch
 from benchmarks.lr.__main__ import SEEDS, _val, best_of_grid
 from benchmarks.lr.run import Run
 from benchmarks.lr.trainsplit import stored_design_runs
-from hpx._forks import paired_gain
+from hpx.forks.fork import paired_gain
 
 __all__ = ["SWEEPS", "ZS", "kept", "main", "read"]
 

@@ -43,7 +43,7 @@ import torch
 from benchmarks.lr.__main__ import GRIDS, RUNS, SEEDS, _load, _run_all, _val, best_of_grid, grid_lrs
 from benchmarks.lr.run import Run, execute
 from benchmarks.lr.tasks import HELD_OUT, TASKS
-from hpx._forks import paired_gain
+from hpx.forks.fork import paired_gain
 
 __all__ = ["main", "replay_pairs", "stored_design_runs", "val_ratio"]
 

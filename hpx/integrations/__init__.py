@@ -100,10 +100,10 @@ _COMPILED = ("the framework's step ran your module, not the copy: a forward or t
 
 
 def _forks_reached(forks: Any, trained: list[Any]) -> None:
-    """At the first step, that each fork's step trained that fork (see :func:`hpx._forks._unreached`)."""
+    """At the first step, that each fork's step trained that fork (see :func:`hpx.forks.fork._unreached`)."""
     if forks.step_count == 0:
-        from hpx._forks import _unreached
         from hpx.errors import ConfigError
+        from hpx.forks.fork import _unreached
 
         ConfigError.check(_unreached(trained, forks._forks[0], _COMPILED))
 

@@ -334,7 +334,7 @@ class ForksCallback(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        from hpx._fork_probe import _layout
+        from hpx.forks.probe import _layout
 
         first = self.forks is not None and self.forks.step_count == 0
         self._batch, self._layout = (batch, batch_idx), _layout(batch) if first else None
@@ -342,8 +342,8 @@ class ForksCallback(pl.Callback):
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Your run has taken this micro-batch's forward and backward: every other fork (and a cut's
         annealed copies) takes its own on the same batch, drawing the random numbers your run drew."""
-        from hpx._fork_probe import batch_changed
-        from hpx._forks import _device, _rng_get, _rng_set
+        from hpx.forks.fork import _device, _rng_get, _rng_set
+        from hpx.forks.probe import batch_changed
 
         if self.forks is None or self._batch is None:
             return
@@ -437,7 +437,7 @@ def _snapshot_at_training_step(callback: ForksCallback, trainer: pl.Trainer,
     """Take the random streams at the moment your run's ``training_step`` starts (the strategy calls
     it), after every ``on_train_batch_start`` hook (the module's own, and callbacks' listed after
     this one) has drawn what it draws: each fork's step then draws what your run's drew."""
-    from hpx._forks import _device, _rng_get
+    from hpx.forks.fork import _device, _rng_get
 
     strategy = trainer.strategy
     own = type(strategy).training_step

@@ -299,8 +299,8 @@ class ForksTrainer(Trainer):
                       num_items_in_batch: Any = None) -> torch.Tensor:
         """Your run's step as the Trainer takes it, then the same step of every other fork (and of
         a cut's annealed copies) on the same inputs, each drawing the random numbers your run drew."""
-        from hpx._fork_probe import _layout, batch_changed
-        from hpx._forks import _device, common_draws
+        from hpx.forks.fork import _device, common_draws
+        from hpx.forks.probe import _layout, batch_changed
 
         more = () if num_items_in_batch is None else (num_items_in_batch,)  # transformers < 4.46: none
         step, forks = super().training_step, self.forks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import hpx
-import hpx.engine
+import hpx.engine.facade
 from tests._digits import ce, data, mlp
 
 
@@ -56,4 +56,4 @@ def test_the_default_replica_count_is_the_backends(digits):
     assert _run(digits, None, steps=0).n_replicas == 4  # the default backend: every replica in process
     assert _run(digits, _Three(), steps=0).n_replicas == 3
     assert _run(digits, _Solo(), steps=0).n_replicas == 1  # no default_replicas: one per process
-    assert not hasattr(hpx.engine, "InProcess")  # the engine imports no concrete backend
+    assert not hasattr(hpx.engine.facade, "InProcess")  # the engine imports no concrete backend

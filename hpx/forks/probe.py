@@ -14,11 +14,11 @@ from typing import Any
 import torch
 
 from hpx import _checks
-from hpx._fork_ranks import _APART
-from hpx._forks import _device, _Fork, _rng_get, _rng_set, _unreached, paired_gain
-from hpx._step import _split
+from hpx._batch import _split
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError, ConsistencyError
+from hpx.forks.fork import _device, _Fork, _rng_get, _rng_set, _unreached, paired_gain
+from hpx.forks.ranks import _APART
 from hpx.signals import LossFn, _all_leaves, _leaves
 
 log = logging.getLogger("hpx")
@@ -176,7 +176,7 @@ def first_checked(call: Callable[[], Any], before: Any, batch: Any, trained: lis
                   start: _Fork) -> Any:
     """``call()`` (every fork's forward and backward); on the first step (``before``: the batch's
     :func:`_layout` before it) also what a wrong loss_fn does silently: a batch it changes in place,
-    a loss computed with your model object (:func:`hpx._forks._unreached`). A failure (a later fork's
+    a loss computed with your model object (:func:`hpx.forks.fork._unreached`). A failure (a later fork's
     ``KeyError`` after ``batch.pop('labels')``) names a batch the loss changed."""
     try:
         out = call()

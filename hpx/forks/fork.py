@@ -16,8 +16,9 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from hpx import _checks
-from hpx._fork_shard import is_dtensor, load_local, local, local_state
+from hpx._deepcopy import graph_tensors_detached
 from hpx.errors import ConfigError
+from hpx.forks.shard import is_dtensor, load_local, local, local_state
 from hpx.knobs.base import Knob
 from hpx.replica import Replica
 from hpx.signals import LossFn, _one_batch_problems
@@ -120,8 +121,8 @@ class _Fork:
         """A deep copy of this fork's model, optimizer and scheduler (one copy: the optimizer holds
         the copied model's parameters and the scheduler the copied optimizer), at ``factor`` and
         ``values`` (default: this fork's; write them with :meth:`apply`); the tensors in ``shared``
-        (a memo, :meth:`hpx._fork_share._Shared.memo`) are held by the copy as they are, not copied.
-        With a ``sharder`` (:class:`hpx._fork_shard._Sharder`) the copy is sharded as this fork is."""
+        (a memo, :meth:`hpx.forks.share._Shared.memo`) are held by the copy as they are, not copied.
+        With a ``sharder`` (:class:`hpx.forks.shard._Sharder`) the copy is sharded as this fork is."""
         memo = graph_tensors_detached(self.model)
         memo.update(shared or {})
         try:
@@ -211,30 +212,6 @@ def bind_scalers(start: _Fork, trained: Sequence[_Fork], scaler: Any) -> None:
             if f.scaler is not None:
                 own.load_state_dict(f.scaler)
             f.scaler = own
-
-
-def graph_tensors_detached(model: torch.nn.Module) -> dict[int, Any]:
-    """A ``copy.deepcopy`` memo in which every tensor of the autograd graph that a module keeps as
-    an attribute (``self.last_logits = out`` in a forward; directly or in a list, tuple or dict)
-    copies as a detached clone: deepcopy refuses a tensor that is not a graph leaf, and the next
-    forward overwrites it anyway."""
-    memo: dict[int, Any] = {}
-
-    def visit(v: Any) -> None:
-        if torch.is_tensor(v):
-            if v.grad_fn is not None and id(v) not in memo:
-                memo[id(v)] = v.detach().clone()
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                visit(x)
-        elif isinstance(v, dict):
-            for x in v.values():
-                visit(x)
-
-    for m in model.modules():
-        for v in vars(m).values():
-            visit(v)
-    return memo
 
 
 def type_name(obj: Any) -> str | None:

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 
 from hpx import _checks
-from hpx._forks import _Fork, _unreached
 from hpx.errors import ConfigError
+from hpx.forks.fork import _Fork, _unreached
 from hpx.history import _fork_label
 from hpx.replica import Replica
 

@@ -15,9 +15,9 @@ writes the new values. How the bases move is the strategy's business
 (:mod:`hpx.search`); the engine has no branch for any particular one.
 
 This module holds the facade: construction and the public methods. Each job lives in a room of
-its own, mixed into :class:`Engine`: the knobs' values (``hpx/_values.py``), the training step
-and the shared gradient (``hpx/_step.py``), the sync (``hpx/_sync.py``) and the run's state
-(``hpx/_run_state.py``). See ``docs/architecture.md``.
+its own, mixed into :class:`Engine`: the knobs' values (``hpx/engine/values.py``), the training step
+and the shared gradient (``hpx/engine/step.py``), the sync (``hpx/engine/sync.py``) and the run's state
+(``hpx/engine/state.py``). See ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -34,20 +34,20 @@ from typing import Any, Union
 import torch
 
 from hpx import _checks
-from hpx._forks import graph_tensors_detached
+from hpx._deepcopy import graph_tensors_detached
 from hpx._health import _Health
-from hpx._run_state import _RunState
 from hpx._seed import derive_seed
-from hpx._shared_state import _SharedState, unshareable
-from hpx._step import _GradBuckets, _OneGradient, _trainable, _TrainingStep
-from hpx._sync import _Syncing
-from hpx._values import _KnobValues, _writes_optimizer
 from hpx.averaging import broadcast_, constant_buffers, float_state
 from hpx.averaging import params as _params
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
 from hpx.config import EngineConfig
 from hpx.controller import Controller
+from hpx.engine.shared_state import _SharedState, unshareable
+from hpx.engine.state import _RunState
+from hpx.engine.step import _GradBuckets, _OneGradient, _trainable, _TrainingStep
+from hpx.engine.sync import _Syncing
+from hpx.engine.values import _KnobValues, _writes_optimizer
 from hpx.errors import ConfigError
 from hpx.knobs.base import Knob
 from hpx.registry import Knobs
@@ -271,7 +271,7 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
             for r in self.replicas:
                 _warm_noise_(r.model, cfg.warm_init, derive_seed(cfg.seed, 0x7761726D, r.index))
 
-    # --- the training step (hpx/_step.py) -----------------------------------------------
+    # --- the training step (hpx/engine/step.py) -----------------------------------------------
 
     def step(
         self, loss_fn: LossFn, batch: Any = None, *, batches: Sequence[Any] | None = None
@@ -371,7 +371,7 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         """
         self._advance(batch, loss_fn)
 
-    # --- the sync (hpx/_sync.py) ---------------------------------------------------------
+    # --- the sync (hpx/engine/sync.py) ---------------------------------------------------------
 
     def converge(self) -> torch.nn.Module:
         """Average every replica's weights now, leaving out non-finite ones, and
@@ -412,7 +412,7 @@ class Engine(_KnobValues, _TrainingStep, _Syncing, _RunState):
         """Knob ``name``'s current value on each local replica (schedule applied)."""
         return [r.value(name) for r in self.replicas]
 
-    # --- the run's state (hpx/_run_state.py) ---------------------------------------------
+    # --- the run's state (hpx/engine/state.py) ---------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the same trajectory: the local replicas'

@@ -14,8 +14,10 @@ from typing import Any
 
 import torch
 
+from hpx._checkpointed import _Checkpointed, _ShardFiles
 from hpx.averaging import params as _params
 from hpx.backends._agree import agree
+from hpx.engine.checkpoint import shard_files, unsaveable
 from hpx.errors import ConfigError
 from hpx.replica import Replica
 from hpx.sync_record import SyncRecord
@@ -23,8 +25,15 @@ from hpx.sync_record import SyncRecord
 log = logging.getLogger("hpx")
 
 
-class _RunState:
-    """The engine's state: save, check, load, resume elastically, agree across ranks."""
+class _RunState(_Checkpointed):
+    """The engine's state: save, check, load, resume elastically, agree across ranks; and what the
+    checkpoint files ask of an engine (:class:`hpx._checkpointed._Checkpointed`)."""
+
+    def _unsaveable(self) -> str | None:
+        return unsaveable(self)
+
+    def _shard_files(self) -> _ShardFiles | None:
+        return shard_files(self)
 
     def _state_dict(self) -> dict[str, Any]:
         told = getattr(self, "_stateless_told", False)

@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from hpx._fork_probe import group_numbers
-from hpx._fork_ranks import _MET, check_steps_aligned
-from hpx._forks import _device
 from hpx.averaging import local
 from hpx.errors import ConsistencyError, NonFiniteError
+from hpx.forks.fork import _device
+from hpx.forks.probe import group_numbers
+from hpx.forks.ranks import _MET, check_steps_aligned
 
 log = logging.getLogger("hpx")
 
@@ -114,7 +114,7 @@ class _Faults:
     def _check_aligned(self, when: str) -> None:
         """Under torch.distributed, before a decision, ``converge()`` or a load: every rank is at the
         same step, or every rank raises :class:`ConsistencyError` within one collective instead of
-        hanging (:func:`hpx._fork_ranks.check_steps_aligned`; sharded forks' collectives are FSDP's and
+        hanging (:func:`hpx.forks.ranks.check_steps_aligned`; sharded forks' collectives are FSDP's and
         are not checked)."""
         if self.collective.world_size == 1:
             return

@@ -11,6 +11,17 @@ from hpx._loading import _device, _processes
 from hpx.history import _fork_label
 
 
+def unsaveable(forks: Any) -> str | None:
+    """The warning when this step must not be saved (:func:`_unsound_forks`), else ``None``."""
+    blown = _unsound_forks(forks)
+    if not blown:
+        return None
+    return (f"step {forks.step_count} not saved: the trainable weights or optimizer state of "
+            f"{', '.join(blown)} are non-finite, and a checkpoint must not resume from them (nothing was "
+            "written, so the previous checkpoints stay): resume from the newest with load_checkpoint, at a "
+            "lower learning rate or with the batches since it checked for NaN/inf")
+
+
 def _unsound_forks(forks: Any) -> list[str]:
     """The non-finite forks and annealed copies (their labels: lr multiple and knobs) when the save
     must be skipped, else ``[]``; the same on every rank (a host read per fork and one gather: a

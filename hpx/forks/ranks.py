@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from hpx._buckets import dtype_groups
-from hpx._forks import _Fork
 from hpx.errors import ConsistencyError
+from hpx.forks.fork import _Fork
 
 _APART = ("under torch.distributed some ranks' losses reached a parameter that others' did not (a branch "
           "or an expert chosen by the data), so its gradient was averaged over some ranks only and the "
@@ -59,7 +59,7 @@ def check_steps_aligned(trained: Sequence[_Fork], collective: Any, step: int, wh
     where the counts of ranks go. Ranks at the same point see ``W`` markers; a rank still at a
     training step pairs its gradients with it instead, and both raise :class:`ConsistencyError`
     within that one collective, where they used to hang until the process group's timeout (the
-    engine's marker, ``hpx/_aligned.py``, for Forks' buckets). Float gradients of 16 bits are not
+    engine's marker, ``hpx/engine/aligned.py``, for Forks' buckets). Float gradients of 16 bits are not
     checked (the sum of markers is not exact there)."""
     ps = first_bucket(trained)
     if not ps or ps[0].dtype not in (torch.float32, torch.float64):

@@ -11,17 +11,23 @@ import math
 import time
 from typing import Any
 
-from hpx._fork_built import differences, probe_record
-from hpx._forks import _FORMAT, _SETTINGS, state_problems, type_name
+from hpx._checkpointed import _Checkpointed
 from hpx.errors import ConfigError
+from hpx.forks.checkpoint import unsaveable
+from hpx.forks.fork import _FORMAT, _SETTINGS, state_problems, type_name
+from hpx.forks.record import differences, probe_record
 from hpx.history import _fork_label
 from hpx.sync_record import SyncRecord
 
 log = logging.getLogger("hpx")
 
 
-class _State:
-    """Records and ``state_dict`` (see the module's docstring)."""
+class _State(_Checkpointed):
+    """Records and ``state_dict`` (see the module's docstring), and what the checkpoint files ask of
+    a Forks run (:class:`hpx._checkpointed._Checkpointed`)."""
+
+    _elastic_refusal = ("hpx.Forks resumes with the saved run's process count: load_checkpoint(..., "
+                        "elastic=False)")
 
     _forks: Any
     _clones: Any
@@ -31,6 +37,9 @@ class _State:
     _built: Any
     _probe: Any
     collective: Any
+
+    def _unsaveable(self) -> str | None:
+        return unsaveable(self)
 
     def _record(self, phase: str, scores: list[float], kept: list[int],
                 gain: float = math.nan) -> SyncRecord:

@@ -36,7 +36,7 @@ in hpx"); the peak as measured: ``docs/benchmarks.md`` (``python -m benchmarks.f
 Under torch.distributed every rank trains every fork on its part of the batch, each fork's
 gradients averaged over the ranks (one all-reduce per dtype per step): data-parallel training.
 With ``shard=`` every fork is sharded over the ranks by FSDP2 instead (1/W of each fork per rank,
-gradients reduce-scattered during each backward: ``hpx._fork_shard``). Floating buffers are
+gradients reduce-scattered during each backward: ``hpx.forks.shard``). Floating buffers are
 averaged before a fork is scored; rank 0's decisions are broadcast.
 """
 
@@ -54,15 +54,11 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler
 
 from hpx import _checks
-from hpx._fork_built import dropout_record, optimizer_record, probe_record, schedule_record
-from hpx._fork_faults import _Faults
-from hpx._fork_misuse import _Guards, _stepped_apart, model_problems, reached
-from hpx._fork_probe import _layout, _Scoring, first_checked, probes_alike, ranks_start_alike
-from hpx._fork_ranks import mean_over_ranks
-from hpx._fork_shard import _Sharder, is_dtensor
-from hpx._fork_share import _Shared
-from hpx._fork_state import _State
-from hpx._forks import (
+from hpx.backends import default_backend
+from hpx.backends.base import Collective
+from hpx.errors import ConfigError
+from hpx.forks.faults import _Faults
+from hpx.forks.fork import (
     _LOST,
     _device,
     _Fork,
@@ -76,9 +72,13 @@ from hpx._forks import (
     knobs_problems,
     model_params,
 )
-from hpx.backends import default_backend
-from hpx.backends.base import Collective
-from hpx.errors import ConfigError
+from hpx.forks.misuse import _Guards, _stepped_apart, model_problems, reached
+from hpx.forks.probe import _layout, _Scoring, first_checked, probes_alike, ranks_start_alike
+from hpx.forks.ranks import mean_over_ranks
+from hpx.forks.record import dropout_record, optimizer_record, probe_record, schedule_record
+from hpx.forks.shard import _Sharder, is_dtensor
+from hpx.forks.share import _Shared
+from hpx.forks.state import _State
 from hpx.knobs.base import Knob
 from hpx.replica import Replica
 from hpx.signals import LossFn
@@ -409,7 +409,7 @@ class Forks(_Scoring, _Faults, _State, _Guards):
 
     @torch.no_grad()
     def _reduce(self, trained: list[_Fork]) -> None:
-        """Every fork's gradient <- its mean over the ranks (see :func:`hpx._fork_ranks.mean_over_ranks`);
+        """Every fork's gradient <- its mean over the ranks (see :func:`hpx.forks.ranks.mean_over_ranks`);
         a parameter some ranks' losses reached and others' did not is named at the next decision."""
         if self.collective.world_size > 1 and self._sharder is None:  # FSDP reduced them in the backward
             apart, met = mean_over_ranks(trained, self.collective)
