@@ -540,6 +540,7 @@ def _ranks(rank: int, world: int) -> dict:
             "history": [(r.step, r.values, r.scores) for r in forks.history]}
 
 
+@pytest.mark.procs
 def test_forks_over_two_gloo_ranks_agree_and_match_one_process():
     out = run_distributed(_ranks, 2)
     assert out[0]["history"] == out[1]["history"] and out[0]["factor"] == out[1]["factor"]
@@ -588,6 +589,7 @@ def _example(*launch: str, flags: tuple[str, ...] = ()) -> list[str]:
     return proc.stdout.strip().splitlines()
 
 
+@pytest.mark.procs
 @pytest.mark.slow
 def test_the_torchrun_example_decides_on_two_ranks_as_in_one_process():
     """examples/torchrun_forks.py under torchrun (2 gloo ranks, each its share of every batch) prints
@@ -652,6 +654,26 @@ def test_weight_decay_and_label_smoothing_forks():
     assert [f.values["label_smoothing"] for f in forks._forks] == [0.05, 0.05, 0.05, 0.0, 0.1]
     forks.step(smoothed, BATCHES[0])
     assert seen == {0.0, 0.05, 0.1}
+
+
+@pytest.mark.parametrize(("p", "knob", "forks_at"), [
+    (0.8, hpx.Dropout(spread=0.2), [pytest.approx(0.6)]),  # not at a chance-level 0.99 (clamped before)
+    (0.0, hpx.Dropout(spread=0.2), [pytest.approx(0.2)]),  # upward only from 0
+    (0.9, hpx.Dropout(spread=0.05), [pytest.approx(0.85), pytest.approx(0.95)]),  # both inside
+])
+def test_a_side_outside_the_knobs_bounds_is_left_out_not_moved_onto_the_bound(p, knob, forks_at):
+    model = _net(p=p)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=20, probe=PROBE,
+                      multiples=(1.0,), cuts=(), knobs=[knob])
+    assert [f.values["dropout"] for f in forks._forks[1:]] == forks_at
+
+
+def test_a_spread_that_puts_both_sides_outside_the_bounds_is_refused_naming_them():
+    model = _net(p=0.1)
+    with pytest.raises(hpx.ConfigError, match=r"dropout: a spread of 5 from your value 0.1 puts both sides "
+                       r"outside its bounds \[0, 0.99\].*give a smaller spread"):
+        hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=20, probe=PROBE,
+                  knobs=[hpx.Dropout(spread=5)])
 
 
 @pytest.mark.parametrize(("knobs", "match"), [
@@ -766,6 +788,7 @@ def _ranks_resume(rank: int, world: int, folder: str) -> bool:
     return _same(model, model2) and forks.bases == forks2.bases
 
 
+@pytest.mark.procs
 def test_forks_resume_from_a_checkpoint_on_two_gloo_ranks(tmp_path):
     assert run_distributed(_ranks_resume, 2, str(tmp_path)) == [True, True]
     model = _net(p=0.0)  # in one process it is refused with the fix Forks takes (not elastic=True)
@@ -1037,6 +1060,25 @@ def test_a_probe_whose_loss_is_nan_at_the_start_is_refused_before_anything_train
     assert all(torch.equal(a, b) for a, b in zip(before.values(), model.state_dict().values()))
 
 
+@pytest.mark.parametrize("given", [False, True])
+def test_a_loss_that_returns_a_float_is_named_as_the_function_it_came_from(given):
+    """A loss that returns ``.item()``: with no probe loss_fn= the step's loss scores the probe, and the
+    error named "the probe's loss_fn", which the user never gave; it names the step's loss, or the
+    probe's when one was given. Nothing trains."""
+    def floating(rep, b):
+        return _loss(rep, b).item()
+
+    model = _net()
+    before = copy.deepcopy(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, **({"loss_fn": floating} if given else {}))
+    named = r"the probe's loss_fn \(the loss_fn= you gave" if given else r"the loss_fn given to forks\.step"
+    with pytest.raises(TypeError, match=named + r".* must return a tensor.*not \.item\(\)"):
+        forks.step(_loss if given else floating, BATCHES[0])
+    assert forks.step_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(before.values(), model.state_dict().values()))
+
+
 def test_converge_before_any_step_keeps_your_run():
     """Nothing trained and no loss_fn= to score with: your run is kept (it raised an AssertionError)."""
     model = _net()
@@ -1068,6 +1110,7 @@ def disagreements() -> list[dict]:
     return run_distributed(_every_disagreement, 2)
 
 
+@pytest.mark.procs
 @pytest.mark.parametrize("what, words", [("settings", "Forks settings"), ("probe", "same probe batches")])
 def test_ranks_that_disagree_on_settings_or_probe_all_raise_naming_it(disagreements, what, words):
     """total_steps that differ between ranks aborted inside gloo (mismatched message sizes); a probe

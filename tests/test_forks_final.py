@@ -101,6 +101,7 @@ def test_a_final_decision_before_the_end_keeps_your_run_unless_the_challenger_wi
     (((0.1, 1), (0.5, 1)), 0.05, r"counts falling, each at least 2 but the last"),
     (((0.1, 1), (0.5, 2)), 0.05, r"counts falling"),
     (((0.1, 2), (0.9, 1)), 0.1, r"cool=0.1 overlaps the cuts .* before the run's end"),
+    (((0.9, 2),), 0.2, r"cool=0.2 overlaps the cuts .* before the run's end"),  # a last cut keeping 2 too
 ])
 def test_cuts_that_cannot_be_made_are_refused_naming_the_fix(cuts, cool, match):
     with pytest.raises(ConfigError, match=match):

@@ -45,6 +45,7 @@ def test_the_package_names_no_public_name_outside_the_stub() -> None:
     assert '"__init__.pyi"' in "[".join(data)
 
 
+@pytest.mark.procs
 def test_a_fresh_import_reaches_subpackages_without_loading_torch_first() -> None:
     code = ("import sys, hpx; assert 'torch' not in sys.modules; "
             "print(hpx.backends.InProcess.__name__, hpx.search.Stretch.__name__, hpx.knobs.Dropout.__name__)")

@@ -762,6 +762,7 @@ def _check_averaged(recs: list[dict[str, Any]]) -> None:
         assert torch.allclose(post0, (pre0 + pre1) / 2, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.procs
 def test_dist_drop_in_spreads_from_step_0_with_consistent_permutations(ranks) -> None:
     shape = OneCycleShape.from_args(2, [0.2, 0.05], total_steps=40)
     recs = [r["a"] for r in ranks]
@@ -773,6 +774,7 @@ def test_dist_drop_in_spreads_from_step_0_with_consistent_permutations(ranks) ->
         assert r["mom"] == [shape.momentums(t) for t in range(40)]
 
 
+@pytest.mark.procs
 def test_dist_parameters_and_buffers_are_averaged_with_and_without_controller(ranks) -> None:
     _check_averaged([r["a"] for r in ranks])
     _check_averaged([r["b"] for r in ranks])
@@ -781,12 +783,14 @@ def test_dist_parameters_and_buffers_are_averaged_with_and_without_controller(ra
     _check_spread([r["b"] for r in ranks], OneCycleShape.from_args(2, 0.2, total_steps=20).lr, 20)
 
 
+@pytest.mark.procs
 def test_dist_global_rng_untouched_and_rank0_state_loads_on_every_rank(ranks) -> None:
     for r in ranks:
         assert r["rng_construct"] and r["a"]["rng_same"] and r["b"]["rng_same"] and r["c"]["rng_same"]
         assert r["reload_same_lrs"]
 
 
+@pytest.mark.procs
 def test_dist_explore_keeps_the_schedulers_shape(ranks) -> None:
     recs, ref = [r["c"] for r in ranks], ranks[0]["c_ref"]
     _check_spread(recs, lambda g, t: ref[t][g], 30)
@@ -799,6 +803,7 @@ def test_dist_explore_keeps_the_schedulers_shape(ranks) -> None:
     _check_averaged(recs)
 
 
+@pytest.mark.procs
 def test_dist_zero_spread_with_the_engine_is_torchs_onecycle(ranks) -> None:
     assert all(r["d_same"] for r in ranks)
 

@@ -129,3 +129,30 @@ def test_each_route_in_its_package_and_the_checkpoint_files_import_neither() -> 
     # the check sees a route reached through another module
     chain = {"a": {"b"}, "b": {"hpx.forks.fork"}, "hpx.forks.fork": set()}
     assert _reach(chain, "a") == {"b", "hpx.forks.fork"}
+
+
+def _spawns(fn: ast.FunctionDef, funcs: dict[str, ast.FunctionDef], seen: set[str]) -> bool:
+    """Whether ``fn`` starts other processes: it calls ``run_distributed`` or ``subprocess``, or a
+    function or fixture of the same file that does."""
+    if any(s in ast.unparse(fn) for s in ("run_distributed(", "subprocess.")):
+        return True
+    called = {c.func.id for c in ast.walk(fn) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)}
+    used = called | {a.arg for a in fn.args.args}  # a fixture is named by an argument
+    return any(_spawns(funcs[n], funcs, seen | {n}) for n in used & funcs.keys() - seen)
+
+
+def test_the_quick_subset_names_files_that_exist_and_starts_no_process() -> None:
+    """``pytest -m quick`` (tests/conftest.py): every file it names exists, and every test there that
+    starts other processes (``run_distributed``, a subprocess, or a fixture that does) is marked
+    ``procs``, which keeps it out of the quick subset."""
+    from tests.conftest import QUICK
+
+    tests = ROOT / "tests"
+    assert all((tests / name).is_file() for name in QUICK)
+    for name in QUICK:
+        tree = ast.parse((tests / name).read_text())
+        funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for fn in funcs.values():
+            if fn.name.startswith("test_") and _spawns(fn, funcs, {fn.name}):
+                marks = {ast.unparse(d) for d in fn.decorator_list}
+                assert "pytest.mark.procs" in marks, f"{name}::{fn.name} starts processes: mark it procs"

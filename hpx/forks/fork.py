@@ -222,8 +222,9 @@ def type_name(obj: Any) -> str | None:
 def knob_values(knob: Knob) -> list[float]:
     """The values a knob's forks take: its base (your value) moved by its spread to each side
     (``base / span`` and ``base * span`` for a geometric spread, ``base * (1 -+ spread)`` for a
-    multiplicative one, ``base -+ spread`` for an additive one), kept in its bounds; those equal
-    to the base are left out."""
+    multiplicative one, ``base -+ spread`` for an additive one). A side outside the knob's bounds
+    is left out, not moved onto the bound (dropout 0.8 with a spread of 0.2 forks at 0.6 only, not
+    at a chance-level 0.99), and so is a side equal to the base."""
     b, w = knob.base, knob.spread
     if knob.spacing == "log":
         raw = [b * math.exp(-w), b * math.exp(w)]
@@ -232,10 +233,19 @@ def knob_values(knob: Knob) -> list[float]:
     else:
         raw = [b - w, b + w]
     out: list[float] = []
-    for v in (knob.clamp(x) for x in raw):
-        if v != b and v not in out:
+    for v in raw:
+        inside = knob.low <= v <= knob.high and not (knob.kind == "mul" and v <= 0)
+        if inside and v != b and v not in out:
             out.append(v)
     return out
+
+
+def knob_side_problems(knobs: Sequence[Knob]) -> list[str]:
+    """Knobs whose spread puts both sides of your value outside its bounds: no fork to try."""
+    return [f"{k.name}: a spread of {k.spread:g} from your value {k.base:g} puts both sides outside its "
+            f"bounds [{k.low:g}, {k.high:g}], so there is no value to fork at: give a smaller spread (each "
+            "side is your value moved by the spread; a side outside the bounds is left out)"
+            for k in knobs if not knob_values(k)]
 
 
 def knobs_problems(knobs: Any, loss_fn: Any = None) -> list[str]:
@@ -479,7 +489,7 @@ def _settings_problems(model: torch.nn.Module, optimizer: Any, total_steps: Any,
     if not isinstance(cool, Real) or isinstance(cool, bool) or not 0 <= cool < 1:
         problems.append(f"cool must be a share of the run in [0, 1) (got {cool!r})")
     elif ok and cs and any(a[0] + cool >= b[0] for a, b in itertools.pairwise(
-            [*cs, (1.0, 0)] if cs[-1][1] == 1 else cs)):  # a final cut's copies are scored before the end
+            [*cs, (1.0, 0)])):  # every cut's copies, the last one's too, are scored before the run's end
         problems.append(f"cool={cool} overlaps the cuts {cuts!r}: a cut's annealed copies must be scored "
                         "before the next cut starts (the last cut's before the run's end); give cuts "
                         "further apart or a smaller cool")

@@ -65,9 +65,17 @@ def probes_alike(collective: Collective, initial: float) -> None:
                           "the same probe batches, not a shard of them: rank 0's probe decides)")
 
 
+# The loss that scores the probe, as an error names it: Forks(..., loss_fn=), or the loss given to
+# step()/backward() when no loss_fn= was given (it then scores the probe too).
+_PROBE_FN = "the probe's loss_fn (the loss_fn= you gave for the probe)"
+_STEP_FN = ("the loss_fn given to forks.step() or forks.backward() (it scores the probe too, as no "
+            "Forks(..., loss_fn=) was given)")
+
+
 def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collective: Collective, units: bool,
                  averaged: list[_Fork], first: bool = False, skip: set[int] | None = None,
-                 vectorize: list[bool | None] | None = None) -> list[list[torch.Tensor]]:
+                 vectorize: list[bool | None] | None = None, who: str = _PROBE_FN,
+                 ) -> list[list[torch.Tensor]]:
     """Each fork's probe loss per batch (a scalar) or per example, in eval mode, without touching
     the global random stream; per example for every batch with ``units`` (a loss that gives one
     number per batch is then evaluated for each example alone). The probe is read once and every
@@ -78,7 +86,8 @@ def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collectiv
     it trains. On the ``first`` pass (before any step) the loss is also checked for what would fail
     or mislead later: a batch it changes, and a mean it could not give one example at a time.
     ``vectorize`` holds whether such a mean is evaluated for all of a batch's examples at once
-    (:func:`_each_example`): ``[None]`` until the first batch decides it."""
+    (:func:`_each_example`): ``[None]`` until the first batch decides it. ``who``: the loss as an
+    error names it (the probe's own, or the training loss that also scores the probe)."""
     dev = _device(forks[0].model)
     keep = _rng_get(dev)
     for f in forks:
@@ -93,14 +102,15 @@ def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collectiv
             for i, b in enumerate(probe):
                 rows, before = _rows(b), _layout(b) if first else None
                 for f, mine in zip(forks, out):
-                    v = _scalar_or_rows(fn(f.replica, b))
+                    v = _scalar_or_rows(fn(f.replica, b), who)
                     if first and i == 0 and v.numel() == 1 and rows > 1:
-                        ConfigError.check(_one_example_problems(f, fn, b, rows))
+                        ConfigError.check(_one_example_problems(f, fn, b, rows, who))
                     if units and v.numel() == 1 and rows > 1:  # each example on its own
-                        v = _each_example(fn, f, b, rows, vectorize if vectorize is not None else [False])
+                        held = vectorize if vectorize is not None else [False]
+                        v = _each_example(fn, f, b, rows, held, who)
                     mine.append(v.detach().to("cpu", torch.float64))
                 if first:
-                    ConfigError.check(batch_changed(before, b, "the probe's loss_fn"))
+                    ConfigError.check(batch_changed(before, b, who))
     finally:
         for k in kept:
             k.restore()
@@ -188,14 +198,15 @@ def first_checked(call: Callable[[], Any], before: Any, batch: Any, trained: lis
     return out
 
 
-def _each_example(fn: LossFn, f: _Fork, batch: Any, rows: int, vectorize: list[bool | None]) -> torch.Tensor:
+def _each_example(fn: LossFn, f: _Fork, batch: Any, rows: int, vectorize: list[bool | None],
+                  who: str = _PROBE_FN) -> torch.Tensor:
     """The loss ``fn`` gives for each of the batch's ``rows`` examples alone (a batch of one row):
     all at once, by ``torch.func.vmap`` over batches of one row, unless ``vectorize[0]`` is False;
     else one example at a time. The first batch decides (``vectorize[0]`` None): vmap must run the
     loss (an op it cannot batch, such as ``.item()`` or a branch on a value, raises) and agree with
     the one-at-a-time losses on the first examples; where not, every later batch takes the loop."""
     def looped(parts: list[Any]) -> torch.Tensor:
-        return torch.stack([_scalar_or_rows(fn(f.replica, r)).reshape(()) for r in parts])
+        return torch.stack([_scalar_or_rows(fn(f.replica, r), who).reshape(()) for r in parts])
 
     if vectorize[0] is not False:
         stacked, dims = _rowwise(batch, rows)
@@ -204,7 +215,7 @@ def _each_example(fn: LossFn, f: _Fork, batch: Any, rows: int, vectorize: list[b
                 # fallback (a transformer layer's fused path): hpx chose vmap, the user cannot act on it
                 warnings.filterwarnings("ignore", message="There is a performance drop because we have "
                                         "not yet implemented the batching rule", category=UserWarning)
-                v = torch.func.vmap(lambda one: _scalar_or_rows(fn(f.replica, one)).reshape(()),
+                v = torch.func.vmap(lambda one: _scalar_or_rows(fn(f.replica, one), who).reshape(()),
                                     in_dims=(dims,))(stacked)
         except Exception:  # any failure of the vectorized pass: the loop
             vectorize[0] = False
@@ -235,7 +246,7 @@ def _rowwise(batch: Any, rows: int) -> tuple[Any, Any]:
     return batch, None
 
 
-def _one_example_problems(f: _Fork, fn: LossFn, batch: Any, rows: int) -> list[str]:
+def _one_example_problems(f: _Fork, fn: LossFn, batch: Any, rows: int, who: str = _PROBE_FN) -> list[str]:
     """Why the end's test could not evaluate the probe's mean loss one example at a time (found at
     the first probe pass, not at the run's end)."""
     fix = "return one loss per example (reduction='none') through loss_fn="
@@ -251,16 +262,16 @@ def _one_example_problems(f: _Fork, fn: LossFn, batch: Any, rows: int) -> list[s
     try:
         fn(f.replica, _split(batch, rows)[0])
     except Exception as e:
-        return [f"the probe's loss_fn fails on one example of a probe batch ({type(e).__name__}: {e}; a "
+        return [f"{who} fails on one example of a probe batch ({type(e).__name__}: {e}; a "
                 f".squeeze() that drops the batch dimension?), and the end's test scores a mean loss one "
                 f"example at a time: {fix}"]
     return []
 
 
-def _scalar_or_rows(v: Any) -> torch.Tensor:
+def _scalar_or_rows(v: Any, who: str = _PROBE_FN) -> torch.Tensor:
     if not torch.is_tensor(v) or v.dim() > 1:
         fix = "return the loss tensor, not .item()" if not torch.is_tensor(v) else "shape [B] at most"
-        raise TypeError(f"the probe's loss_fn must return a tensor: a scalar or one loss per example (got "
+        raise TypeError(f"{who} must return a tensor: a scalar or one loss per example (got "
                         f"{_checks.shown(v)}; {fix})")
     return v.detach().reshape(-1)
 
@@ -291,6 +302,7 @@ class _Scoring:
     _forks: Any
     _probe: Any
     _probe_fn: Any
+    _probe_given: bool  # a loss_fn= of the probe's own; else the step's loss scores the probe
     _outside: bool
     _shared: Any
     _apart: Any
@@ -304,8 +316,10 @@ class _Scoring:
         trains it (its own data-parallel wrapper keeps them)."""
         assert self._probe_fn is not None
         averaged = [f for f in forks if not (self._outside and f is self._forks[0])]
+        who = _PROBE_FN if self._probe_given else _STEP_FN
         return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged, first,
-                            skip={id(t) for _, t, _ in self._shared.buffers}, vectorize=self._vectorize)
+                            skip={id(t) for _, t, _ in self._shared.buffers}, vectorize=self._vectorize,
+                            who=who)
 
     def _scores(self, forks: list[_Fork], first: bool = False) -> list[float]:
         """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;

@@ -68,6 +68,7 @@ from hpx.forks.fork import (
     _unstepped,
     bind_scalers,
     common_draws,
+    knob_side_problems,
     knob_values,
     knobs_problems,
     model_params,
@@ -133,7 +134,7 @@ class Forks(_Scoring, _Faults, _State, _Guards):
         knobs: other knobs to fork, each declared with a spread (``hpx.Dropout(spread=0.2)``,
             ``hpx.WeightDecay(span=10)``, ``hpx.LabelSmoothing(spread=0.1)``): two more forks
             per knob, at your lr, with the knob moved by its spread to each side of your value
-            (kept in its bounds). A challenger changes the lr or one knob.
+            (a side outside the knob's bounds is left out). A challenger changes the lr or one knob.
         backend: the :class:`~hpx.backends.Collective` (default: this process alone); with
             ``hpx.backends.TorchDistributed()`` each fork is data-parallel over the ranks.
         on_sync: a function (or a list of them) called with the :class:`~hpx.SyncRecord` of each
@@ -222,10 +223,12 @@ class Forks(_Scoring, _Faults, _State, _Guards):
         self.cool, self.confidence = float(cool), float(confidence)
         self._probe = probe
         self._probe_fn = loss_fn
+        self._probe_given = loss_fn is not None
         self._on_sync = callbacks
         self.knobs: tuple[Knob, ...] = tuple(knobs)
         for k in self.knobs:  # your value (read from the model or the optimizer, or given)
             k.resolve_base(Replica(0, model, optimizer))
+        ConfigError.check(knob_side_problems(self.knobs))
         bases = {k.name: k.base for k in self.knobs}
         settings = [(m, bases) for m in self.multiples if m != 1.0]
         settings += [(1.0, {**bases, k.name: v}) for k in self.knobs for v in knob_values(k)]
