@@ -43,3 +43,17 @@ def test_the_readme_use_snippet_forks_decides_and_prints(caplog: pytest.LogCaptu
     assert len([line for line in printed if line.startswith("epoch ")]) == scope["epochs"]
     assert printed[-1] == f"the run ended at {forks.factor:g} x your lr"
     assert any("forks at step" in r.getMessage() for r in caplog.records)
+
+
+def test_the_readmes_first_lines_say_where_the_default_cuts_are_decided() -> None:
+    """The first paragraph names the steps at which the log shows each cut: a cut's annealed copies
+    branch at its share of the run and are scored ``cool`` later (the demo logged 15% and 30% while
+    the README said 10% and 25%)."""
+    from hpx.forks import COOL, CUTS
+
+    opening = README.read_text().split("\n\n")[1]
+    said = " ".join(opening.split())
+    for s, k in CUTS:
+        assert f"to {k} at {round(100 * (s + COOL))}%" in said, (s, k, said)
+        assert f"to {k} at {round(100 * s)}%" not in said  # where the copies branch, not the cut
+    assert f"annealed over the {round(100 * COOL)}% before it" in said

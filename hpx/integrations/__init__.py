@@ -42,7 +42,7 @@ def _lr(optimizer: Any) -> float:
     return float(lr.item() if torch.is_tensor(lr) else lr)
 
 
-_FORKS_SETTINGS = ("multiples", "cuts", "cool", "confidence", "knobs", "on_sync")
+_FORKS_SETTINGS = ("multiples", "cuts", "cool", "confidence", "knobs", "on_sync", "share")
 """The :class:`hpx.Forks` settings an integration passes on (the rest come from the framework)."""
 
 

@@ -66,6 +66,20 @@ def test_a_confident_winner_is_plain_lightning_at_its_multiple_bit_for_bit(tmp_p
     assert float(trainer.callback_metrics["hpx/lr_multiple"]) == 16.0
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_share_passes_through_and_a_frozen_base_is_held_once_only_when_shared(tmp_path, share):
+    """share= reaches hpx.Forks: with a frozen first layer, every fork holds your run's frozen weights
+    (the same tensors) under share=True and copies of them under share=False; the run ends alike."""
+    held = []  # at the first cut: whether each challenger's frozen weight is your run's tensor
+    cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2, share=share, on_sync=lambda r: held.append(
+        [g.model.net[0].weight.data_ptr() == module.net[0].weight.data_ptr() for g in cb.forks._forks[1:]]))
+    module = Dropped(lr=0.001, steps=24)
+    module.net[0].requires_grad_(False)
+    _fit(tmp_path / "f", module, 24, [cb])
+    assert cb.forks.decided and len(held) == 3
+    assert held[0] and all(x is share for x in held[0])
+
+
 def test_your_run_kept_is_plain_lightning_bit_for_bit(tmp_path):
     cb = ForksCallback(probe_loss, probe=probe(), multiples=POW2, confidence=1e9)
     module = Dropped(lr=0.001, steps=40)

@@ -61,6 +61,19 @@ def test_a_confident_winner_is_the_plain_trainer_at_its_multiple_bit_for_bit(tmp
     assert logged[0]["hpx/probe_loss/16x"] == pytest.approx(f.history[0].scores[-1])
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_share_passes_through_and_a_frozen_base_is_held_once_only_when_shared(tmp_path, share):
+    """forks={"share": ...} reaches hpx.Forks: with a frozen first layer, every fork holds your run's
+    frozen weights (the same tensors) under share=True and copies of them under share=False."""
+    held = []  # at the first cut: whether each challenger's frozen weight is your run's tensor
+    t = _forks(tmp_path / "f", 24, 1e-4, forks={"share": share, "on_sync": lambda r: held.append(
+        [g.model.net[0].weight.data_ptr() == t.model.net[0].weight.data_ptr() for g in t.forks._forks[1:]])})
+    t.model.net[0].requires_grad_(False)
+    t.train()
+    assert t.forks.decided and len(held) == 3
+    assert held[0] and all(x is share for x in held[0])
+
+
 def test_your_run_kept_is_the_plain_trainer_bit_for_bit(tmp_path):
     t = _forks(tmp_path / "f", 40, 1e-3, dropout=0.1, forks={"confidence": 1e9})
     t.train()
