@@ -1079,6 +1079,25 @@ def test_a_loss_that_returns_a_float_is_named_as_the_function_it_came_from(given
     assert all(torch.equal(a, b) for a, b in zip(before.values(), model.state_dict().values()))
 
 
+def test_a_probe_the_loss_fails_on_is_refused_naming_the_probe_batch_and_nothing_trains():
+    """A probe label out of range raised a bare IndexError from the first step, naming nothing."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    before = copy.deepcopy(model.state_dict())
+    xs = [(X[i:i + 16], torch.randint(0, 3, (16,))) for i in range(0, 64, 16)]
+    probe = [(X[384:400], torch.full((16,), 7))]  # 3 classes: label 7 is out of range
+
+    def ce(rep, b):
+        return F.cross_entropy(rep.model(b[0]), b[1], reduction="none")
+
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=4, probe=probe,
+                      loss_fn=ce)
+    with pytest.raises(hpx.ConfigError, match=r"the probe's loss_fn .* failed on probe batch 0 before "
+                       r"anything trained \(IndexError: Target 7 is out of bounds.*labels in range"):
+        forks.step(ce, xs[0])
+    assert forks.step_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(before.values(), model.state_dict().values()))
+
+
 def test_converge_before_any_step_keeps_your_run():
     """Nothing trained and no loss_fn= to score with: your run is kept (it raised an AssertionError)."""
     model = _net()

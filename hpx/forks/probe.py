@@ -102,7 +102,7 @@ def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collectiv
             for i, b in enumerate(probe):
                 rows, before = _rows(b), _layout(b) if first else None
                 for f, mine in zip(forks, out):
-                    v = _scalar_or_rows(fn(f.replica, b), who)
+                    v = _scalar_or_rows(_probed(fn, f, b, i, who, first), who)
                     if first and i == 0 and v.numel() == 1 and rows > 1:
                         ConfigError.check(_one_example_problems(f, fn, b, rows, who))
                     if units and v.numel() == 1 and rows > 1:  # each example on its own
@@ -196,6 +196,21 @@ def first_checked(call: Callable[[], Any], before: Any, batch: Any, trained: lis
     if before is not None:
         ConfigError.check(batch_changed(before, batch, "loss_fn") + _unreached(trained, start))
     return out
+
+
+def _probed(fn: LossFn, f: _Fork, batch: Any, i: int, who: str, first: bool) -> Any:
+    """``fn`` on probe batch ``i``; a failure names the probe batch and the loss. On the first pass
+    (before anything trained: a wrong probe, such as a label out of range) it is a ConfigError that
+    refuses the step; later (an out-of-memory error) the error is raised as it is, with a note."""
+    try:
+        return fn(f.replica, batch)
+    except Exception as e:
+        if first and not isinstance(e, ConfigError):
+            raise ConfigError([f"{who} failed on probe batch {i} before anything trained "
+                               f"({type(e).__name__}: {e}): check that batch (labels in range, shapes "
+                               "and dtypes the model takes) and the loss; nothing was trained"]) from e
+        e.add_note(f"hpx: raised by {who} on probe batch {i}")
+        raise
 
 
 def _each_example(fn: LossFn, f: _Fork, batch: Any, rows: int, vectorize: list[bool | None],
