@@ -535,7 +535,8 @@ def _device_text(device: torch.device) -> str:
 def section(results: list[Result], setups: list[Setup], device: torch.device, steps: int, wall: float,
             command: str) -> str:
     """The gpu section of docs/benchmarks.md (printed on every run, written on CUDA only)."""
-    lines = ["## On one GPU: plain training, `hpx.Forks` and the HDET engine at 100 M parameters", "",
+    size = max((s.params for s in setups), default=0) / 1e6  # what ran: 100 M, or --tiny's models
+    lines = [f"## On one GPU: plain training, `hpx.Forks` and the HDET engine at {size:.3g} M parameters", "",
              f"Command: `{command}` ({wall:.0f} s in all) on {_device_text(device)}; Python "
              f"{platform.python_version()}, torch {torch.__version__}. What is measured: the docstring of "
              f"`benchmarks/gpu.py`. {steps} steps a run; AdamW and OneCycleLR; each method from the same "

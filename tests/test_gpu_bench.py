@@ -39,6 +39,8 @@ def test_a_row_per_model_and_method(tiny):
     assert "python -m benchmarks.gpu --device cpu --tiny" in tiny
     assert gpu.PLACEHOLDER in tiny  # a CPU run says it was not a GPU's
     assert f"torch {torch.__version__}" in tiny
+    heading = next(line for line in tiny.splitlines() if line.startswith("## "))
+    assert "100 M" not in heading and heading.endswith(" M parameters"), heading  # the size that ran
 
 
 def test_ratios_and_rates_are_positive_finite_numbers(tiny):
