@@ -128,7 +128,9 @@ def _main(argv: list[str] | None = None) -> int:
     mode.add_argument("--full", action="store_true", help="the full benchmark; writes docs/")
     mode.add_argument("--overhead-only", action="store_true", help="only the overhead benchmark")
     ap.add_argument("--jobs", type=int, default=None, help="worker processes (full default: 2, quick: 1)")
-    ap.add_argument("--tasks", default=None, help="comma-separated subset of mlp,charlm,cnn")
+    ap.add_argument("--tasks", default=None, help="comma-separated subset of mlp,charlm,cnn (with --full or "
+                    "--overhead-only only beside --out and --results: the committed docs and store hold "
+                    "every task)")
     ap.add_argument("--out", default=None, help="where to write the markdown and PNGs "
                     "(full default: docs/benchmarks.md and docs/img; quick default: runs/benchmarks/quick)")
     ap.add_argument("--results", default=None, help="raw results JSON (default benchmarks/stored/full.json, "
@@ -151,6 +153,9 @@ def _main(argv: list[str] | None = None) -> int:
     else:
         doc = (Path(args.out) if args.out else ROOT / "runs" / "benchmarks" / "quick") / "benchmarks.md"
     img = doc.parent / "img"
+    if full:  # before anything runs
+        narrower(cfg.tasks, args, doc, "bench_quality", "python -m benchmarks --full"
+                 + (" --report-only" if args.report_only else ""))
     saved = {} if args.fresh else load_results(res_path)
     command = "python -m benchmarks --full" if full else "python -m benchmarks --quick"
 
@@ -197,9 +202,23 @@ def _main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def narrower(tasks: tuple[str, ...], args: argparse.Namespace, doc: Path, marker: str, command: str) -> None:
+    """Refuse, before anything runs, a run of fewer tasks than the full benchmark's that would write
+    the committed docs or store (``--out`` and ``--results`` not both given): the section's figures
+    (and the store it is rebuilt from) are over every task, and those of the others would be lost."""
+    lacking = [t for t in SuiteConfig().tasks if t not in tasks]
+    if lacking and (args.out is None or args.results is None):
+        stored = _store.shown(results_path("full"))
+        _store.refuse_narrower(marker, f"figures of {', '.join(lacking)} (and {stored} their runs)", command,
+                               doc, "or give --out DIR and --results FILE to run these tasks alone")
+
+
 def _overhead_only(args) -> int:
     res_path = Path(args.results) if args.results else results_path("full")
     doc = (ROOT / "docs" if args.out is None else Path(args.out)) / "benchmarks.md"
+    if args.tasks:  # before anything runs
+        narrower(tuple(args.tasks.split(",")), args, doc, "bench_overhead",
+                 "python -m benchmarks --overhead-only")
     overhead = run_overhead(tasks=tuple(args.tasks.split(",")) if args.tasks else ("mlp", "cnn", "charlm"))
     command = "python -m benchmarks --overhead-only"
     saved = load_results(res_path)

@@ -9,6 +9,11 @@ from a store that is missing, or that lacks what the section reads, the section'
 become "no runs". So a report command loads its stores through :func:`load` (or calls
 :func:`refuse` on what is lacking) before it writes anything: the command exits non-zero, names
 the store and the command that produces it, and leaves the docs as they are.
+
+A report of part of what a section shows (some of its methods, tasks, routes, sizes, replica counts
+or variants) rewrites that part alone and leaves every other table and row byte for byte, or writes
+nothing (:func:`leave` says so), or, where the section's parts share what the command would change,
+exits before anything runs (:func:`refuse_narrower`), naming the command that writes it whole.
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["DOC", "STORED", "load", "publish", "refuse", "save", "shown"]
+__all__ = ["DOC", "STORED", "leave", "load", "measured", "publish", "refuse", "refuse_narrower", "save",
+           "shown"]
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -42,6 +48,25 @@ def refuse(path: Path, command: str, doc: Path = DOC, lacks: str | None = None, 
         problem = "holds no results" if Path(path).exists() else "is missing"
     note = f" ({note})" if note else ""
     raise SystemExit(f"{shown(path)} {problem}: run `{command}` first{note}; {shown(doc)} was left as it is")
+
+
+def refuse_narrower(marker: str, holds: str, command: str, doc: Path = DOC, instead: str = "") -> NoReturn:
+    """Exit (status 1) before anything is written: the ``marker`` section of ``doc`` ``holds`` what
+    the command as given would not write (another method's table, a task's row), and it would take
+    it away; ``command`` writes the section whole (``instead``: another way, as a clause)."""
+    instead = f", {instead}" if instead else ""
+    raise SystemExit(f"the {marker} section of {shown(doc)} holds {holds}, which this command as given "
+                     f"would remove or change: run `{command}`, which writes the section whole{instead}; "
+                     f"{shown(doc)} was left as it is")
+
+
+def leave(marker: str, why: str, command: str, doc: Path = DOC) -> None:
+    """Say (on stderr) that the ``marker`` section of ``doc`` was not written, ``why``, and which
+    ``command`` writes it: a report of part of what the section holds prints, and leaves it alone."""
+    import sys
+
+    print(f"{shown(doc)} was left as it is: {why}; its {marker} section is written by `{command}`",
+          file=sys.stderr)
 
 
 def _read_json(path: Path) -> Any:
@@ -75,3 +100,31 @@ def publish(text: str, marker: str, write: bool, doc: Path = DOC) -> None:
         from benchmarks.report import write_section
 
         write_section(doc, marker, text)
+
+
+def measured(argv: list[str] | None, description: str, measure: Callable[[], Any],
+             section: Callable[[dict[str, Any]], str], path: Path, command: str, marker: str, about: str,
+             machine: Callable[[], str], doc: Path = DOC) -> dict[str, Any]:
+    """The command of a benchmark whose section is written from its store alone: measure (or, with
+    ``--report-only``, read the committed store, ``about`` saying how long measuring takes), keep the
+    store (not with ``--no-write``), and print and publish the section ``section`` makes of it."""
+    import argparse
+    import sys
+    import time
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--no-write", action="store_true",
+                   help="print the table only: neither the store nor the docs")
+    p.add_argument("--report-only", action="store_true",
+                   help="measure nothing: the section from the committed store")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    if a.report_only:
+        store = load(path, command, doc, about)
+    else:
+        t0 = time.perf_counter()
+        res = measure()
+        store = {"res": res, "wall": time.perf_counter() - t0, "command": command, "on": machine()}
+        if not a.no_write:
+            save(path, store)
+    publish(section(store), marker, not a.no_write, doc)
+    return store

@@ -309,6 +309,21 @@ def _write_section(section: str) -> None:
     DOC.write_text(text)
 
 
+def narrower(variants: list[str]) -> None:
+    """Refuse, before anything runs, a run of fewer variants than the stored section shows (it would
+    write the section without the others' rows), naming the run that keeps them."""
+    shown = json.loads(STORE.read_text())["args"]["variants"].split(",") if STORE.exists() else []
+    lacking = [v for v in shown if v not in variants]
+    if lacking:
+        sys.path.insert(0, str(ROOT))  # run as a script: the repository's benchmarks package
+        from benchmarks import _store
+
+        every = ",".join([*shown, *(v for v in variants if v not in shown)])
+        command = COMMAND if every == ",".join(VARIANTS) else f"{COMMAND} --variants {every}"
+        _store.refuse_narrower("bench_dist", f"the rows of {', '.join(lacking)}", command, DOC,
+                               "or add --no-write to measure these alone")
+
+
 def stored_section(store: dict) -> str:
     """The section as written from ``store`` (what :data:`STORE` holds): its summary recomputed
     from the stored times (the bootstrap is seeded)."""
@@ -335,6 +350,8 @@ def main(argv: list[str] | None = None) -> None:
     if "LOCAL_RANK" in os.environ:  # started by torchrun
         _worker(args)
         return
+    if not args.no_write:  # the variants are measured side by side: fewer would take rows away
+        narrower(variants)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -23,6 +23,7 @@ rate. CPU time of this process, in alternating blocks so that machine noise hits
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import time
 from pathlib import Path
@@ -38,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 STORE = _store.STORED / "bench_step.json"
 COMMAND = "python -m benchmarks.bench_step"
+REPLICAS = "2,4,8"  # --replicas' default
 
 
 def _model() -> nn.Module:
@@ -152,7 +154,7 @@ def section(rows: list[dict[str, float]], wall: float, command: str,
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--replicas", default="2,4,8")
+    ap.add_argument("--replicas", default=REPLICAS)
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-write", action="store_true", help="print only: neither the store nor the docs")
@@ -162,6 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only:
         store = _store.load(STORE, COMMAND, DOC, "about 15 s")
     else:
+        if not args.no_write:  # the section's rows are one measurement: fewer would take rows away
+            narrower(sorted({int(n) for n in args.replicas.split(",")}))
         torch.set_num_threads(1)
         start = time.perf_counter()
         rows = [measure(int(n), args.rounds, args.reps) for n in args.replicas.split(",")]
@@ -175,6 +179,18 @@ def main(argv: list[str] | None = None) -> None:
     print(text)
     if not args.no_write:
         report.write_section(DOC, "bench_step", text)
+
+
+def narrower(replicas: list[int]) -> None:
+    """Refuse, before anything is measured, a run of fewer replica counts than the stored section
+    shows (it would write the section without the others' rows), naming the run that keeps them."""
+    shown = [r["n"] for r in json.loads(STORE.read_text())["rows"]] if STORE.exists() else []
+    lacking = [n for n in shown if n not in replicas]
+    if lacking:
+        every = ",".join(map(str, sorted({*shown, *replicas})))
+        command = COMMAND if every == REPLICAS else f"{COMMAND} --replicas {every}"
+        _store.refuse_narrower("bench_step", f"the rows of {', '.join(map(str, lacking))} replicas", command,
+                               DOC, "or add --no-write to measure these alone")
 
 
 def stored_section(store: dict) -> str:

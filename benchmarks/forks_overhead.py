@@ -29,7 +29,6 @@ it was made on) and the section is written from it alone (``tests/test_stored_se
 
 from __future__ import annotations
 
-import argparse
 import copy
 import logging
 import platform
@@ -202,21 +201,8 @@ def stored_section(store: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--no-write", action="store_true",
-                   help="print the table only: neither the store nor the docs")
-    p.add_argument("--report-only", action="store_true",
-                   help="measure nothing: the section from the committed store")
-    a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    if a.report_only:
-        store = _store.load(STORE, COMMAND, DOC, "about 2 min")
-    else:
-        t0 = time.perf_counter()
-        res = measure()
-        store = {"res": res, "wall": time.perf_counter() - t0, "command": COMMAND, "on": machine()}
-        if not a.no_write:
-            _store.save(STORE, store)
-    _store.publish(stored_section(store), MARKER, not a.no_write, DOC)
+    store = _store.measured(argv, __doc__.split("\n")[0], measure, stored_section, STORE, COMMAND, MARKER,
+                            "about 2 min", machine)
     return store["res"]
 
 

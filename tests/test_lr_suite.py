@@ -1147,7 +1147,7 @@ def test_the_cost_command_keeps_each_tasks_row_and_writes_the_docs_only_when_eve
 
     store = tmp_path / "cost.json"
     monkeypatch.setattr(cost, "COST", store)
-    monkeypatch.setattr(cost, "ROOT", tmp_path)
+    monkeypatch.setattr(cost, "DOC", tmp_path / "docs" / "benchmarks.md")
     (tmp_path / "docs").mkdir()
     doc = tmp_path / "docs" / "benchmarks.md"
     doc.write_text("# B\n\n<!-- lr-cost -->\nold\n<!-- /lr-cost -->\n")

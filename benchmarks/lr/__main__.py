@@ -2,7 +2,7 @@
 
     python -m benchmarks.lr grid                   # 2-seed grids of peak lrs (benchmarks/lr/grids.json)
     python -m benchmarks.lr eval --method autolr   # the method from 0.1x, 1x, 10x the grid's best
-    python -m benchmarks.lr report --method autolr # the acceptance table into docs/benchmarks.md
+    python -m benchmarks.lr report --method autolr # its table into docs/benchmarks.md (the others' kept)
     python -m benchmarks.lr same --method A B      # do two methods' stored runs agree, cell by cell?
     python -m benchmarks.lr eval --quick           # a smoke run of every task (few steps)
 
@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 from collections.abc import Callable
@@ -353,21 +354,21 @@ def markdown(method: str, rows: list[dict[str, Any]]) -> str:
         v = verdict(part)
         out += [f"#### {title}", "",
                 "| task | start | lr | plain | hpx | hpx / plain | hpx / oracle | lr it ends at / best "
-                "| lr it ends at / probe's pick | lost | time / plain |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                "| lr it ends at / probe's pick | lost |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in part:
             out.append(f"| {r['task']} | {r['start']} | {r['lr']:.3g} | {_fmt(r['plain'], '.4f')} | "
                        f"{_fmt(r['hpx'], '.4f')} | {_fmt(r['vs_plain'])} | {_fmt(r['vs_oracle'])} | "
                        f"{r['end_vs_oracle']:.3g} | {_fmt(r['end_vs_pick'], '.3g')} | "
-                       f"{'yes' if r['lost'] else ''} | {r['cost']:.2f} |")
+                       f"{'yes' if r['lost'] else ''} |")
         out += ["", f"Criteria ({title.lower()}): hpx / plain <= 1.02 at the best lr on "
                 f"{v['no_harm_102']:.0%} of tasks (bar 90%), <= 1.05 on all: {v['no_harm_105_all']}; "
                 f"from 10x off <= 1.05x the oracle in {v['recover_105']:.0%} of cells (bar 75%), never "
                 f"> 1.02x plain at that start: {v['recover_vs_plain']}; the lr it ends at within 3x of "
                 f"the grid's best in {v['fixed_point_3x']:.0%} of cells (bar 80%), within 3x of the probe's "
-                f"pick in {_pct(v['pick_3x'])}; runs lost: {v['lost']}; "
-                f"time / plain at most {v['cost_max']:.2f} (the bar is on optimizer steps: "
-                "`python -m benchmarks.lr.bar`).", ""]
+                f"pick in {_pct(v['pick_3x'])}; runs lost: {v['lost']} (the cost: "
+                "`python -m benchmarks.lr.bar` in optimizer steps, `python -m benchmarks.lr.cost` in "
+                "wall time).", ""]
         solved = [r for r in part if r["resolved"]]
         if solved:
             w = verdict(solved)
@@ -486,8 +487,9 @@ the method; their ratio; the method's over the grid's best ("oracle"); the peak 
 the probe's pick (each seed's end over that seed's pick: the lr whose complete run scores lowest on
 the probe, the best a search that follows the probe can place it; see the next section); "lost":
 a seed ends within 2% of the constant predictor's loss (or diverges) where plain training at
-that start trains; the training loop's wall time over plain training's (each measured in its own
-run, two runs sharing the machine: a rough figure). Below each table the bar is read again on the
+that start trains. No wall time is compared here: these runs were made two at a time, in separate
+jobs on the machines named, beside a grid made at other times; `python -m benchmarks.lr.cost`
+times each method's loop against plain training side by side. Below each table the bar is read again on the
 tasks whose probe resolves the grid (the probe's pick is the grid's best on both seeds): on the
 others no search that follows the probe can be expected to place the lr on the grid's best.
 
@@ -525,9 +527,59 @@ def suite_section(methods: list[str], grids: dict[str, Any], tables: list[str],
                          tables=shown, n_tasks=len(TASKS), n_held=n_held, n_design=len(TASKS) - n_held)
 
 
+def section_methods(body: str) -> list[str]:
+    """The methods a suite's section (its text between the markers) shows, in its order: those its
+    "Produced by" line names."""
+    command = re.search(r"`python -m benchmarks\.lr report --method ([^`]+)`", body)
+    return command.group(1).split() if command else []
+
+
+def section_tables(body: str, methods: list[str]) -> dict[str, str]:
+    """Each of ``methods``' table in a suite's section (its text below ``### `method```)."""
+    out = {}
+    for m in methods:
+        head = f"### `{m}`\n\n"
+        if head not in body:
+            continue
+        start = body.index(head) + len(head)
+        end = body.find("\n\n### `", start)
+        out[m] = body[start:end if end >= 0 else len(body) - 1]  # the section ends in its last table and "\n"
+    return out
+
+
+def _current_section(marker: str) -> str | None:
+    """The text of docs/benchmarks.md's section ``marker`` below its title (None: no such section)."""
+    text = DOC.read_text() if DOC.exists() else ""
+    start, end = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    if start not in text or end not in text:
+        return None
+    section = text[text.index(start) + len(start):text.index(end)]
+    return section.split("\n\n", 1)[1] if section.startswith("\n## ") else section
+
+
 def write_docs(methods: list[str], grids: dict[str, Any], tables: list[str]) -> None:
-    """Put the suite's section into docs/benchmarks.md (between its markers): one table per method."""
-    write_section("lr-suite", SUITE_TITLE, suite_section(methods, grids, tables))
+    """Put ``methods``' tables into the suite's section of docs/benchmarks.md (between its markers),
+    each in place of its own: a report of some of the methods the section shows rewrites their
+    tables and leaves every other one byte for byte, with the text they share (the machine, the
+    grids, the "Produced by" line, which names every method shown). Where that shared text is not
+    what the section's own command would write now (the grid or the prose changed since), the
+    others' tables would sit under text that is not theirs: refused, naming that command."""
+    body = _current_section("lr-suite")
+    shown = section_methods(body) if body is not None else []
+    old = section_tables(body, shown) if body is not None else {}
+    order = [m for m in shown if m in old] + [m for m in methods if m not in old]
+    new = dict(zip(methods, tables))
+    if set(old) <= set(new):  # every table the section shows: the whole section, on this machine
+        write_section("lr-suite", SUITE_TITLE, suite_section(order, grids, [new[m] for m in order]))
+        return
+    on = re.search(r"two runs at a time, on (.+?)\.\n", body)  # the machine the shown runs were made on
+    full = f"python -m benchmarks.lr report --method {' '.join(order)}"
+    if on is None or suite_section(list(old), grids, list(old.values()), on.group(1)) != body:
+        others = " and ".join(f"`{m}`'s" for m in old if m not in new)
+        _store.refuse_narrower("lr-suite", f"{others} table under shared text (the grids' table, the "
+                               "prose) that is not what this command writes now", full, DOC)
+    write_section("lr-suite", SUITE_TITLE,
+                  suite_section(order, grids, [new[m] if m in new else old[m] for m in order], on.group(1)))
 
 
 def write_section(marker: str, title: str, body: str, after: str | None = None) -> None:
@@ -627,7 +679,12 @@ def main(argv: list[str] | None = None) -> int:
         tables.append(markdown(method, table(method, a.tasks, grids, store, steps)))
         print(f"### {method}\n\n{tables[-1]}")
     if a.command == "report" and not a.quick and not a.here and a.tasks == list(TASKS):
-        write_docs(a.method, grids, tables)
+        if set(a.method) <= set(REPORTED):
+            write_docs(a.method, grids, tables)
+        else:  # the docs show only what a clone can rebuild: the committed stores' methods
+            others = ", ".join(m for m in a.method if m not in REPORTED)
+            _store.leave("lr-suite", f"the runs of {others} are not committed (benchmarks.lr.REPORTED)",
+                         f"python -m benchmarks.lr report --method {' '.join(REPORTED)}")
     return 0
 
 

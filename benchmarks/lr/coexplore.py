@@ -16,8 +16,9 @@ Each starts from two cells:
 * the best lr with the knob value whose plain run is worst, if it is at least 5% worse than the
   2-D best (bar: better than plain training there).
 
-Results go to ``benchmarks/lr/stored/coexplore.json`` (committed). Run with both routes, the
-command writes the two tables of the ``coexplore`` section of docs/benchmarks.md from that store
+Results go to ``benchmarks/lr/stored/coexplore.json`` (committed). The command writes the table
+of each route it ran (``--route``: both by default) into the ``coexplore`` section of
+docs/benchmarks.md from that store, in place of that route's, the other's left as it is
 (:func:`write_tables`; ``tests/test_stored_sections.py`` rebuilds them from the committed store);
 the section's prose around them is written by hand. The first three pairs are
 design tasks; two (moons_dropout, char_gru_adamw) were held-out tasks when the routes ran, added
@@ -33,6 +34,7 @@ import argparse
 import math
 import statistics
 import sys
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
@@ -211,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     _execute(starts, store, a.jobs)
     for route, m in zip(a.route, methods):
         print(f"\n{route}:\n" + "\n".join(table(store, grids, m)))
-    if set(a.route) == set(ROUTES):
-        write_tables(store, grids)
+    write_tables(store, grids, a.route)  # the routes run now: each one's table, the other's left as it is
     return 0
 
 
@@ -230,13 +231,15 @@ def tables_in(section: str) -> dict[str, str]:
     return out
 
 
-def write_tables(store: dict[str, Any], grids: dict[str, Any]) -> None:
-    """Each route's table into the ``coexplore`` section of docs/benchmarks.md, in place of the one
-    there (the prose around them is left as it is)."""
+def write_tables(store: dict[str, Any], grids: dict[str, Any], routes: Sequence[str] = tuple(ROUTES)) -> None:
+    """Each of ``routes``' table into the ``coexplore`` section of docs/benchmarks.md, in place of the
+    one there (the other route's table and the prose around them are left as they are)."""
     text = DOC.read_text()
     start, end = text.index("<!-- coexplore -->"), text.index("<!-- /coexplore -->")
     section = text[start:end]
     for route, old in tables_in(section).items():
+        if route not in routes:
+            continue
         new = "\n".join(table(store, grids, ROUTES[route]))
         section = section.replace(f"\n### {route}\n\n{old}\n\n", f"\n### {route}\n\n{new}\n\n")
     DOC.write_text(text[:start] + section + text[end:])

@@ -7,6 +7,9 @@ plain training's, side by side in one process.
 With the default methods it keeps each task's seconds in ``benchmarks/lr/stored/cost.json``
 (committed; a task measured again replaces its row), where ``python -m benchmarks.lr.bar`` reads
 them, and once that store holds every task of the suite it writes the section of docs/benchmarks.md from it.
+The section's rows share its "Produced by" line (``--repeats``, the machine): some tasks are measured
+again only with the same, on that machine (else refused before anything runs), and ``--tasks`` naming
+none rewrites the section from the store under that line.
 
 For every task, plain training and each method (exactly as the suite runs them, at the grid's
 best lr, seed 0) train on the same batches, taking turns, ``repeats`` times each, on one thread;
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,13 +31,16 @@ from typing import Any
 
 import torch
 
+from benchmarks import _store
 from benchmarks.lr.__main__ import GRIDS, STORED, _load, _save, best_of_grid
 from benchmarks.lr.prototypes import LOOPS
 from benchmarks.lr.run import METHODS, plain_train
 from benchmarks.lr.tasks import HELD_OUT, TASKS, get_task
 
 ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "benchmarks.md"
 COST = STORED / "cost.json"  # the whole suite's seconds per task (and Forks' steps), for benchmarks.lr.bar
+SECTION_METHODS = ["Forks", "autolr"]  # the methods whose cost the section shows
 
 
 _STEPS: dict[tuple[str, str], float] = {}  # (task, method) -> optimizer steps over plain training's
@@ -92,12 +99,10 @@ def markdown(rows: list[tuple[str, float, list[float]]], repeats: int,
     training's (default: those of the last measurement); ``on``: the machine it was measured on
     (default: this one)."""
     steps = _STEPS if steps is None else steps
-    machine = on or (f"{platform.machine()}, {os.cpu_count()} logical cores; Python "
-                     f"{platform.python_version()}, torch {torch.__version__}")
     names = ", ".join(f"`{_shown(m)}`" for m in methods)
     lines = ["<!-- lr-cost -->", "## The search's cost on the learning-rate suite", "",
              f"Produced by `python -m benchmarks.lr.cost --repeats {repeats} --method {' '.join(methods)}` "
-             f"on {machine}, one thread.",
+             f"on {on or machine()}, one thread.",
              f"Plain training and {names}, at the grid's best lr and on the same batches, run "
              + ("once each, one after the other," if repeats == 1
                 else f"{repeats} times each, taking turns,"),
@@ -126,6 +131,20 @@ def markdown(rows: list[tuple[str, float, list[float]]], repeats: int,
     return "\n".join(lines)
 
 
+def machine() -> str:
+    """This machine, as the section names the one it was measured on."""
+    return (f"{platform.machine()}, {os.cpu_count()} logical cores; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
+
+
+def recorded(text: str) -> tuple[int, str] | None:
+    """The ``--repeats`` and the machine docs/benchmarks.md's section (``text``: the whole page)
+    names its rows as measured with (None: no section)."""
+    m = re.search(r"<!-- lr-cost -->.*?`python -m benchmarks\.lr\.cost --repeats (\d+) --method [^`]+` "
+                  r"on (.+?), one thread\.", text, re.S)
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
 def section(store: dict[str, Any], repeats: int, methods: Sequence[str] = ("Forks", "autolr"),
             on: str | None = None) -> str:
     """The docs section (markers included) from the stored rows of every task of the suite."""
@@ -144,6 +163,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch.set_flush_denormal(True) first: subnormal floats count as 0 (a fork at an lr "
                         "that drives an LSTM's gradients toward 0 then runs at the speed of the others)")
     a = p.parse_args(argv)
+    write = a.method == SECTION_METHODS and not a.flush_denormal
+    # the section's rows share one line: the --repeats and the machine they were measured with. Rows
+    # measured now with others would sit under it: refused before anything runs. The store alone
+    # (`--tasks` naming none) is written under that line as it is.
+    shared = recorded(DOC.read_text()) if write and set(a.tasks) != set(TASKS) and DOC.exists() else None
+    if shared is not None and a.tasks and shared != (a.repeats, machine()):
+        _store.refuse_narrower(
+            "lr-cost", f"every other task's row, measured with --repeats {shared[0]} on {shared[1]}",
+            f"python -m benchmarks.lr.cost --repeats {a.repeats} --method {' '.join(SECTION_METHODS)}", DOC,
+            f"or these tasks with --repeats {shared[0]} on that machine")
     if a.flush_denormal:
         torch.set_flush_denormal(True)
     try:
@@ -156,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     # the section is hpx's two searches', measured as the user's default numerics run them; tasks
     # measured now replace their stored rows (each row is side by side in itself), and the section
     # is written once the store holds every task
-    if a.method == ["Forks", "autolr"] and not a.flush_denormal:
+    if write:
         store = {k: v for k, v in _load(COST).items() if k in TASKS}
         store.update({name: {"plain": p, **{m: h for m, h in zip(a.method, hs)},
                              **{f"{m} steps": _STEPS[(name, m)] for m in a.method if (name, m) in _STEPS}}
@@ -166,16 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"docs/benchmarks.md not written: no cost measured yet for {', '.join(missing)}")
             return 0
-        md = section(store, a.repeats, a.method)
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text()
+        repeats, on = shared if shared is not None else (a.repeats, None)  # None: this machine
+        md = section(store, repeats, a.method, on)
+        text = DOC.read_text()
         start, end = "<!-- lr-cost -->", "<!-- /lr-cost -->"
         if start in text:
             text = text[:text.index(start)] + md + text[text.index(end) + len(end):]
         else:
             anchor = "<!-- coexplore -->"
             text = text.replace(anchor, md + "\n\n" + anchor, 1)
-        doc.write_text(text)
+        DOC.write_text(text)
     return 0
 
 

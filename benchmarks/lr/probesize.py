@@ -11,8 +11,10 @@ batches, model, optimizer, schedule, the plain-training grid it is judged agains
 reads the bar's quality rows for each task with its whole probe (the method's stored suite runs,
 ``python -m benchmarks.lr eval``) and cut. Results go to ``benchmarks/lr/stored/probesize.json``
 (committed: about 30 min on two cores for the default tasks and ``--sizes 200 100``); the section
-goes to docs/benchmarks.md. ``--report-only`` with the same flags runs nothing and rebuilds the
-section from the committed stores alone, or names the command that makes what is missing.
+goes to docs/benchmarks.md from that run (``--method Forks --sizes 200 100``, the default tasks):
+another method's, tasks' or sizes' run prints its table and leaves the section as it is.
+``--report-only`` with the same flags runs nothing and rebuilds the section from the committed
+stores alone, or names the command that makes what is missing.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from benchmarks.lr.tasks import HELD_OUT, TASKS
 __all__ = ["main"]
 
 STORE = STORED / "probesize.json"
-COMMAND = "python -m benchmarks.lr.probesize --method Forks --sizes 200 100"  # what the section reads
+METHOD, SIZES = "Forks", [200, 100]  # the section's: on the default tasks
+COMMAND = f"python -m benchmarks.lr.probesize --method {METHOD} --sizes {' '.join(map(str, SIZES))}"
 TITLE = "What the probe's size does: the same tasks, their probes cut"
 
 
@@ -112,7 +115,13 @@ def main(argv: list[str] | None = None) -> int:
         _run_all(runs, store, STORE, a.jobs)
     body = section(a.method, a.sizes, a.tasks, grids, suite, store)
     print(body)
-    write_section("lr-probesize", TITLE, body, after="lr-ceiling")
+    # the section is one method's on the default tasks, a column per size: a run of another method,
+    # of fewer tasks or sizes writes nothing there, where it would take a table, row or column away
+    if a.method == METHOD and a.sizes == SIZES and a.tasks == p.get_default("tasks"):
+        write_section("lr-probesize", TITLE, body, after="lr-ceiling")
+    else:
+        _store.leave("lr-probesize", "its --method, --tasks or --sizes are not the section's",
+                     f"{COMMAND} --report-only")
     return 0
 
 

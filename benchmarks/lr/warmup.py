@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if a.tasks is None:
         write_section("lr-warmup", TITLE, body, after="lr-carve")
+    else:  # the section shows every task: a row or a total of fewer would take the others' away
+        _store.leave("lr-warmup", "--tasks was given (the section shows every task)",
+                     f"{COMMAND} --report-only")
     return 0
 
 
