@@ -32,7 +32,8 @@ class _Checkpointed:
     Besides these, a route has ``collective`` (its backend; ``collective.processes`` when its
     replicas span several processes), ``step_count``, ``state_dict()``, ``load_state_dict(state)``,
     ``_load_problems(state)`` (what a load would refuse, before anything changes) and
-    ``_check_aligned(when)`` (ranks at different steps raise instead of hanging).
+    ``_check_aligned(when)`` (ranks at different steps raise instead of hanging: called before a save
+    and before a load).
     """
 
     #: Why ``load_checkpoint(..., elastic=True)`` is refused for this route (``None``: it resumes

@@ -18,7 +18,9 @@ it before changing anything, and restores the engine, your extra objects (LR sch
 a ``GradScaler``, ...) and the random streams the trajectory depends on (torch's global
 generator, which draws dropout masks, CUDA's, Python's ``random`` and NumPy's), so that
 the resumed run continues as the uninterrupted one would have, bit for bit on CPU. Every digest
-carries its run's identity (:mod:`hpx._identity`): another run's steps are refused.
+carries its run's identity (:mod:`hpx._identity`): another run's steps are refused. Each rank's
+process holds a lock on the directory from its first save or load (:mod:`hpx._lock`): another live
+process saving or loading there is refused; a killed process's lock is taken over.
 
 This module knows no route: it saves what the object's ``state_dict()`` gives and loads it back
 through the hooks of :class:`hpx._checkpointed._Checkpointed`. Each route keeps its own checks in
@@ -68,6 +70,7 @@ from hpx._loading import (
     _step_problems,
     _together,
 )
+from hpx._lock import acquire
 from hpx.errors import ConfigError
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
@@ -103,6 +106,12 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: _Checkpointed, *,
     Every rank must call it at the same step. Saves are atomic per file: a process
     killed during a save leaves the previous checkpoints as they were.
 
+    The first save or load of a run object on ``directory`` takes this rank's lock of it (a small
+    file beside it, ``.NAME.hpx-lock-rank-00000``, or inside it; :mod:`hpx._lock`), kept until the
+    object is collected or the process exits. While another live process holds it (the same rank of
+    another run), this save raises :class:`~hpx.ConfigError` naming that process, on every rank, and
+    writes nothing. A lock whose process no longer runs (killed) is taken over.
+
     A step at which some replica's weights are NaN or inf (on any rank) is not saved: a resumed
     run would start from them. Every rank skips it alike, with a warning, and the previous
     checkpoints stay; the next sync resets such a replica from the others, so a save after it
@@ -125,13 +134,22 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: _Checkpointed, *,
                         "before, the others only the new one. Give keep=2 or more")
     problems += _extra_problems(extra) + _directory_problems(Path(directory), "save_checkpoint")
     ConfigError.check(problems)
-    rank = _processes(engine).rank  # another run's steps there: refused on every rank before a write
-    _together(engine, save_problems(Path(directory), rank, engine, engine.step_count),
-              f"saving step {engine.step_count}", ending="nothing was saved on any rank")
+    # a rank still training meets this, not a hang: every rank raises alike (ConsistencyError)
+    engine._check_aligned(f"saving step {engine.step_count}")
+    rank = _processes(engine).rank  # another live process, or another run's steps there: refused on
+    lock = acquire(Path(directory), rank, engine, saving=True)  # every rank before a write
+    try:
+        _together(engine, lock.problems or save_problems(Path(directory), rank, engine, engine.step_count),
+                  f"saving step {engine.step_count}", ending="nothing was saved on any rank")
+    except ConfigError:
+        lock.undo()
+        raise
     withheld = engine._unsaveable()  # the route's own check: a non-finite run is never saved
     if withheld is not None:
         log.warning("%s", withheld)
+        lock.undo()  # nothing written: not the lock either, where this call wrote it
         return None
+    lock.keep(engine)
     state = {
         "format": _FORMAT,
         "step": engine.step_count,
@@ -164,6 +182,7 @@ def save_checkpoint(directory: str | os.PathLike[str], engine: _Checkpointed, *,
         if tmp.exists():
             tmp.unlink()
     _prune(Path(directory), rank, keep, engine.step_count)
+    lock.keep(engine)  # the lock names the run (its identity given at its first save)
     return path
 
 
@@ -198,6 +217,11 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: _Checkpointed, *,
     warning, as is a step that some rank lacks; the newest step left is loaded. When the
     engine or an extra object cannot take the checkpoint, :class:`~hpx.ConfigError` is
     raised and nothing is changed. Under torch.distributed every rank must call it.
+
+    A directory another live process holds (it saves or loads there: :func:`save_checkpoint`'s lock)
+    is refused with :class:`~hpx.ConfigError` naming that process, before anything is loaded; a
+    killed process's lock is taken over, so a resume after a crash is never blocked. Where no lock
+    can be written (a read-only directory) the load goes on without one.
     """
     ConfigError.check(_call_problems("load_checkpoint", directory, engine))
     root = Path(directory)
@@ -209,6 +233,13 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: _Checkpointed, *,
     ConfigError.check(problems)
     # shared mode over processes: a rank that trains instead of loading meets this, not a hang
     engine._check_aligned("loading a checkpoint")
+    lock = acquire(root, _processes(engine).rank, engine, saving=False)  # another live process's: refused
+    try:
+        _together(engine, lock.problems, f"loading from {root}", ending="nothing was loaded on any rank")
+    except ConfigError:
+        lock.undo()
+        raise
+    lock.keep(engine)
     _clean_stale(root, _processes(engine).rank, loading=True)
     shards = engine._shard_files()
     if shards is not None:
@@ -217,6 +248,7 @@ def load_checkpoint(directory: str | os.PathLike[str], engine: _Checkpointed, *,
         step = (_load_elastic if elastic else _load_own)(root, engine, extra, rng)
     if step is None:
         _fresh_start(root, engine, required)
+    lock.keep(engine)  # the lock names the run resumed
     return step
 
 

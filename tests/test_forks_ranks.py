@@ -204,6 +204,37 @@ def test_ranks_that_step_unevenly_or_build_another_lr_raise_on_every_rank_withou
     assert any("met another rank's decision, converge()" in r["fewer"][0] for r in ranks)
 
 
+def _saves_apart(rank: int, world: int, folder: str) -> tuple[str, float]:
+    """Rank 0 saves at step 8, the others at step 9: rank 0 waited in the save's first collective
+    while the others were in step 9's gradient all-reduce (a hang until the process group's timeout,
+    or gloo's 'Connection closed by peer')."""
+    import time
+
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=STEPS, probe=PROBE,
+                      backend=hpx.backends.TorchDistributed())
+    t0 = time.monotonic()
+    try:
+        for b in BATCHES[:STEPS]:
+            forks.step(_loss, b)
+            if forks.step_count == (8 if rank == 0 else 9):
+                hpx.save_checkpoint(folder, forks)
+        return "ok", time.monotonic() - t0
+    except ConsistencyError as e:
+        return str(e), time.monotonic() - t0
+
+
+@pytest.mark.procs
+@pytest.mark.parametrize("world", [2, 3])
+def test_saves_at_different_steps_raise_on_every_rank_without_hanging(tmp_path, world):
+    ranks = run_distributed(_saves_apart, world, str(tmp_path), timeout=120)
+    for msg, seconds in ranks:
+        assert "ran different numbers of optimizer steps" in msg, msg
+        assert seconds < 30, seconds
+    assert any("saving step 8" in msg for msg, _ in ranks)
+    assert not any(tmp_path.glob("step-*/rank-*.pt"))  # nothing saved on any rank
+
+
 def test_the_reliability_doc_holds_the_ranks_table_naming_these_tests():
     from pathlib import Path
 
