@@ -15,7 +15,7 @@ from hpx._checkpointed import _Checkpointed
 from hpx.errors import ConfigError
 from hpx.forks.checkpoint import unsaveable
 from hpx.forks.fork import _FORMAT, _SETTINGS, state_problems, type_name
-from hpx.forks.record import differences, probe_record
+from hpx.forks.record import differences, probe_loss_now, probe_loss_saved, probe_record
 from hpx.history import _fork_label
 from hpx.sync_record import SyncRecord
 
@@ -80,7 +80,8 @@ class _State(_Checkpointed):
                 "step": self.step_count, "fork_steps": self.fork_steps, "factor": self.factor,
                 "values": dict(self.values),
                 "knobs": [k.name for k in self.knobs], "decided": self.decided,
-                "initial": self._initial, "decide_at": self._decide_at, "built": self._built,
+                "initial": self._initial, "decide_at": self._decide_at,
+                "built": {**self._built, "probe_loss": probe_loss_saved(self)},
                 "shared_buffers": [n for n, _, _ in self._shared.buffers],
                 "layout": self._layout(),
                 "forks": [f.state() for f in self._forks],
@@ -91,6 +92,8 @@ class _State(_Checkpointed):
         """Restore a :meth:`state_dict` into a ``Forks`` built with the same settings on the same
         model, optimizer and schedule (checked first: a refused state changes nothing)."""
         ConfigError.check(self._load_problems(state))
+        for kept in ("_applied", "_first_bad"):  # what the steps before the load applied and met
+            self.__dict__.pop(kept, None)
         start = self._forks[0]
         start.load(state["forks"][0], self.knobs)
         if state.get("decided"):
@@ -122,6 +125,8 @@ class _State(_Checkpointed):
         saved = state.get("built")
         if isinstance(saved, dict) and saved.get("probe") is not None and self._built["probe"] is None:
             self._built["probe"] = saved["probe"]  # the probe was read and found the same (_load_problems)
+        # the saved weights' probe loss, saved again while no loss is bound to take it anew (probe_loss_saved)
+        self._built["probe_loss"] = saved.get("probe_loss") if isinstance(saved, dict) else None
         self._fresh = True
         self._outside_steps, self._half = 0, None  # a misuse before the load is undone by it
 
@@ -151,6 +156,13 @@ class _State(_Checkpointed):
         mine = dict(self._built)
         if built.get("probe") is not None and mine["probe"] is None:  # not read yet: read it (kept at _open)
             mine["probe"] = probe_record(self._probe)
+        if built.get("probe_loss") is not None:  # this run's probe loss on the saved weights, as it scores
+            try:
+                mine["probe_loss"] = probe_loss_now(self, built["probe_loss"], state)
+            except Exception as e:
+                return [f"the probe's loss_fn fails on the first probe batch at the saved run's weights "
+                        f"({type(e).__name__}: {e}): give the probe the saved run's loss_fn= to resume it; "
+                        "nothing was loaded"]
         odd = differences(built, mine)
         return [f"the saved run was built otherwise: {'; '.join(odd)}. Build hpx.Forks as the saved run was "
                 "to resume it (to change a setting on purpose, resume first, then change it in every fork "
