@@ -772,6 +772,7 @@ def _table(rows: list[Row], wall: float, command: str) -> str:
               "DDP the gradient all-reduces are DDP's own: uneven inputs there are DDP's to handle "
               "(its `join()`).", ""]
     lines += FORKS_CHECKPOINT_SECTION + FORKS_RUN_SECTION + FORKS_RANKS_SECTION + FORKS_MISUSE_SECTION
+    lines += FORKS_ROUND_TWO_SECTION
     return "\n".join(lines)
 
 
@@ -978,5 +979,82 @@ FORKS_MISUSE_SECTION = [
     "| misuse | what happens | test |",
     "| --- | --- | --- |",
     *[f"| {what} | {happens} | `{test}` |" for what, happens, test in FORKS_MISUSE_ROWS],
+    "",
+]
+
+
+FORKS_ROUND_TWO_ROWS = [  # (fault, where, what happens, the tests that check it: file::test, ...)
+    ("a resume into a OneCycleLR of another shape (pct_start 0.5 instead of 0.3; three_phase, "
+     "anneal_strategy, div_factor, final_div_factor, max_momentum), a StepLR of another gamma",
+     "in process", "refused naming the argument with both values and the fix, the run unchanged (it "
+     "loaded silently; another length was already refused)",
+     "tests/test_forks_built.py::test_a_resume_into_a_onecycle_of_another_shape_is_refused_naming_the_argument, "  # noqa: E501
+     "tests/test_forks_built.py::test_a_resume_into_a_steplr_of_another_gamma_is_refused"),
+    ("a resume with another probe loss (label_smoothing=0.1 added)", "in process",
+     "refused naming the probe's loss, the run unchanged: the loss is scored on the first probe batch at "
+     "the saved weights when saved and when loaded; the same loss resumes bit for bit",
+     "tests/test_forks_built.py::test_a_resume_with_another_probe_loss_is_refused_and_the_same_one_resumes"),
+    ("the lr doubled on one rank through forks.each at step 8 under OneCycleLR (the schedule rewrites it "
+     "a step later); a weight changed on one rank alone", "2 gloo ranks, with and without shard=",
+     "ConsistencyError at the next decision on every rank, naming the ranks, the first step whose applied "
+     "settings differed and the forks whose weights differ (they ended 0.021 apart)",
+     "tests/test_forks_apart.py::test_an_lr_doubled_on_one_rank_that_the_schedule_rewrote_is_caught_at_the_next_decision, "  # noqa: E501
+     "tests/test_forks_apart.py::test_a_weight_changed_on_one_rank_alone_is_caught_at_the_next_decision_naming_the_forks, "  # noqa: E501
+     "tests/test_forks_apart.py::test_sharded_forks_name_an_lr_set_apart_and_a_nan_with_its_step_and_rank"),
+    ("a NaN in rank 1's batch at step 9", "2 gloo ranks, with and without shard=; one process",
+     "NonFiniteError naming step 9 and rank 1 (it named the decision's step, 12, and no rank)",
+     "tests/test_forks_apart.py::test_a_nan_in_one_ranks_batch_names_the_step_it_appeared_at_and_the_rank, "
+     "tests/test_forks_apart.py::test_a_nan_in_the_batch_names_its_step_in_one_process"),
+    ("saves at different steps (rank 0 at step 8, the others at 9), without shard=", "2 and 3 gloo ranks",
+     "ConsistencyError on every rank within seconds, naming the step, nothing saved (rank 1 waited out "
+     "the process group's timeout, rank 0 got gloo's 'Connection closed by peer')",
+     "tests/test_forks_ranks.py::test_saves_at_different_steps_raise_on_every_rank_without_hanging"),
+    ("a buffer no step writes or a frozen weight written in place, or replaced by assignment, on your "
+     "model alone between steps", "in process, share=True and share=False",
+     "refused at the next step in both modes alike, naming the tensor and forks.each (with share=False "
+     "your run alone used the new value; a replaced buffer's old value was loaded over yours at the end)",
+     "tests/test_forks_share.py::test_a_write_to_what_the_forks_hold_alike_on_your_model_alone_is_refused_in_both_modes"),
+    ("a frozen weight written through .data on your model alone (torch counts no version)",
+     "in process, share=True and share=False", "refused at the next decision in both modes, and every "
+     "later step (the modes ended 0.229 apart)",
+     "tests/test_forks_share.py::test_a_frozen_weight_written_through_data_on_your_model_alone_is_refused_at_the_next_decision"),
+    ("forks.each writing a buffer or frozen weight every fork holds once (scale.mul_(2); "
+     "weight.data.mul_(0.5))", "in process, share=True and share=False",
+     "written once, as with share=False (it was written once per fork: 4.0 instead of 2.0)",
+     "tests/test_forks_share.py::test_each_writes_what_every_fork_holds_once_exactly_once"),
+    ("cuts=((0.9, 2),), cool=0.2", "in process", "refused by the rule the message states: every cut's "
+     "copies are scored before the run's end (its copies were scored at the end, annealed 4 of 8 steps)",
+     "tests/test_forks_final.py::test_cuts_that_cannot_be_made_are_refused_naming_the_fix"),
+    ("hpx.Dropout(spread=5) on p=0.1; Dropout(spread=0.2) from p=0.8", "in process",
+     "a spread with no side inside the bounds is refused naming them; a side outside is left out, as the "
+     "docs say (it was moved onto the bound: forks at 0.0 and a chance-level 0.99)",
+     "tests/test_forks.py::test_a_spread_that_puts_both_sides_outside_the_bounds_is_refused_naming_them, "
+     "tests/test_forks.py::test_a_side_outside_the_knobs_bounds_is_left_out_not_moved_onto_the_bound"),
+    ("a probe label out of range", "in process", "ConfigError naming the probe batch, the loss and what to "
+     "check, nothing trained (a bare IndexError)",
+     "tests/test_forks.py::test_a_probe_the_loss_fails_on_is_refused_naming_the_probe_batch_and_nothing_trains"),
+    ("two processes on one checkpoint directory: B loads and saves where a live A saves", "a second live "
+     "process; 2 gloo ranks", "refused before anything is loaded or written, naming the directory, A's "
+     "pid and host and the fix (a lock file per rank beside the directory); the ranks of one run never "
+     "refuse each other",
+     "tests/test_checkpoint_lock.py::test_a_second_live_process_is_refused_naming_the_holder_and_nothing_changes, "  # noqa: E501
+     "tests/test_checkpoint_lock.py::test_the_ranks_of_one_run_do_not_refuse_each_other_and_a_refusal_on_one_rank_is_on_every_rank"),
+    ("the lock's holder SIGKILLed, its PID reused, or on another host and no longer renewing it",
+     "another process; a lock of another host", "taken over (logged): a resume is never blocked by its "
+     "own dead predecessor; another host's lock renewed every 10 s is live, one not renewed for 30 s "
+     "taken over",
+     "tests/test_checkpoint_lock.py::test_a_killed_process_lock_is_taken_over_and_an_exited_one_released, "
+     "tests/test_checkpoint_lock.py::test_another_hosts_lock_is_live_while_renewed_and_taken_over_when_not"),
+]
+FORKS_ROUND_TWO_SECTION = [
+    "## hpx.Forks faults, round two",
+    "",
+    "The second outside audit's cases (AdamW + OneCycleLR, 40 steps). Checked by the tests named "
+    "(`pytest` each; not rerun by this benchmark).",
+    "",
+    "| fault | where | what happens | tests |",
+    "| --- | --- | --- | --- |",
+    *[f"| {fault} | {where} | {what} | " + ", ".join(f"`{t.strip()}`" for t in tests.split(",")) + " |"
+      for fault, where, what, tests in FORKS_ROUND_TWO_ROWS],
     "",
 ]

@@ -215,3 +215,106 @@ def test_the_memory_benchmark_measures_each_configuration_in_a_fresh_process():
     res = {k: {"plain": plain, "forks": forks} for k in forks_memory.KINDS}
     text = forks_memory.section(res, "python -m benchmarks.forks_memory", 1.0)
     assert text.count("\n| ") == 4 and "frozen, a trainable head" in text
+
+
+def _frozen_data_write(model: nn.Module) -> None:
+    model.base[0].weight.data.mul_(0.5)  # through .data: torch counts no version
+
+
+def _frozen_write(model: nn.Module) -> None:
+    with torch.no_grad():
+        model.base[0].weight.mul_(0.5)
+
+
+def _buffer_write(model: nn.Module) -> None:
+    model.mask.mul_(2.0)
+
+
+def _buffer_assigned(model: nn.Module) -> None:
+    model.mask = torch.ones(32)
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize(("write", "match"), [
+    (_buffer_write, r"buffer .*'mask' was written in place"),
+    (_frozen_write, r"frozen parameter 'base\.0\.weight' was written in place"),
+    (_buffer_assigned, r"buffer 'mask' of your model was replaced by assignment"),
+])
+def test_a_write_to_what_the_forks_hold_alike_on_your_model_alone_is_refused_in_both_modes(
+        share, write, match):
+    """A buffer no step writes or a frozen weight, written on your model alone between steps: with
+    share=False your run alone used the new value (the forks kept the old one), with share=True every
+    fork did at once; replaced by assignment, the winner's old one was loaded over yours at the end.
+    Refused at the next step in both modes, the same way, before anything changes."""
+    model = _Tuned().train()
+    forks = hpx.Forks(model, _adamw(model, 1e-3), total_steps=STEPS, probe=PROBE, share=share)
+    for b in BATCHES[:3]:
+        forks.step(_loss, b)
+    write(model)
+    with pytest.raises(hpx.ConfigError, match=match + r".*forks\.each"):
+        forks.step(_loss, BATCHES[3])
+    assert forks.step_count == 3
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_frozen_weight_written_through_data_on_your_model_alone_is_refused_at_the_next_decision(share):
+    model = _Tuned().train()
+    forks = hpx.Forks(model, _adamw(model, 1e-3), total_steps=STEPS, probe=PROBE, share=share)
+    for b in BATCHES[:2]:
+        forks.step(_loss, b)
+    _frozen_data_write(model)
+    with pytest.raises(hpx.ConfigError, match=r"parameter 'base\.0\.weight' changed on your model outside "
+                                              r"forks\.each\(\) \(a write through \.data"):
+        for b in BATCHES[2:STEPS]:
+            forks.step(_loss, b)
+    at = forks.step_count
+    assert 2 < at < STEPS and not forks.decided
+    with pytest.raises(hpx.ConfigError, match=r"changed on your model outside forks\.each"):  # and after
+        forks.step(_loss, BATCHES[at])
+    assert forks.step_count == at
+
+
+@pytest.mark.parametrize("share", [True, False])
+@pytest.mark.parametrize("write", [_buffer_write, _frozen_data_write, _frozen_write])
+def test_each_writes_what_every_fork_holds_once_exactly_once(share, write):
+    """forks.each(lambda r: r.model.mask.mul_(2)) doubled the one shared buffer once per fork (4.0 on
+    a run of 2 forks; 2.0 with share=False), a frozen weight halved once per fork likewise. Every
+    fork now holds the value one write gives, in both modes, and the run goes on through decisions."""
+    model = _Tuned().train()
+    forks = hpx.Forks(model, _adamw(model, 1e-3), total_steps=STEPS, probe=PROBE, share=share)
+    for b in BATCHES[:3]:
+        forks.step(_loss, b)
+    mask, weight = model.mask.clone(), model.base[0].weight.detach().clone()
+    forks.each(lambda rep: write(rep.model))
+    want_mask = mask * 2 if write is _buffer_write else mask
+    want_weight = weight if write is _buffer_write else weight * 0.5
+    for m in _held(forks):
+        assert torch.equal(m.mask, want_mask) and torch.equal(m.base[0].weight, want_weight)
+        assert (m.mask is model.mask) is (share and m is not model) or m is model
+    for b in BATCHES[3:STEPS]:  # through every decision: nothing refused
+        forks.step(_loss, b)
+    assert forks.decided
+
+
+def test_with_share_false_a_buffer_every_step_writes_is_each_forks_own():
+    """share=False: a buffer the steps write (a counter) is each fork's, not refused."""
+    model = _Tuned().train()
+    forks = hpx.Forks(model, _adamw(model, 1e-3), total_steps=STEPS, probe=PROBE, share=False)
+    for b in BATCHES[:STEPS]:
+        forks.step(_loss, b)
+    assert forks.decided and float(model.seen) >= STEPS
+
+
+def test_the_reliability_doc_holds_the_round_two_table_naming_tests_that_exist():
+    import importlib
+    from pathlib import Path
+
+    from benchmarks import reliability
+
+    for *_, tests in reliability.FORKS_ROUND_TWO_ROWS:
+        for ref in tests.split(","):
+            path, name = ref.strip().split("::")
+            module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+            assert callable(getattr(module, name, None)), ref
+    doc = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
+    assert "\n".join(reliability.FORKS_ROUND_TWO_SECTION) in doc

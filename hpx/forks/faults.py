@@ -1,12 +1,16 @@
 """What :class:`hpx.Forks` does when something goes wrong while it trains: a non-finite loss
-(read a step late, without waiting on the device), a probe loss that is non-finite for a finite
-run, every fork lost, and ranks that ran different numbers of steps. A mixin of ``Forks``: it
-reads and writes the search's own attributes."""
+(read a step late, without waiting on the device; the step it first appeared at, and on which
+rank, kept on the device), a probe loss that is non-finite for a finite run, every fork lost,
+ranks that ran different numbers of steps, and ranks that trained apart (what each step applied
+and the forks' weights, compared at every decision). A mixin of ``Forks``: it reads and writes the
+search's own attributes."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+from array import array
 from typing import Any
 
 import torch
@@ -14,10 +18,14 @@ import torch
 from hpx.averaging import local
 from hpx.errors import ConsistencyError, NonFiniteError
 from hpx.forks.fork import _device
+from hpx.forks.misuse import _label
 from hpx.forks.probe import group_numbers
-from hpx.forks.ranks import _MET, check_steps_aligned
+from hpx.forks.ranks import _APART, _MET, check_steps_aligned, weights_digest
 
 log = logging.getLogger("hpx")
+
+
+_APPLIED = ("lr", "momentum", "betas", "weight_decay", "eps")  # what a schedule (or a hand) sets per step
 
 
 class _Faults:
@@ -30,6 +38,7 @@ class _Faults:
     _pending: Any
     _crossed: Any
     _sharder: Any
+    _apart: Any
     collective: Any
     step_count: int
 
@@ -106,10 +115,128 @@ class _Faults:
                                  "decided")
 
     def _raise_if_all_lost(self, scores: list[float]) -> None:
-        if self._agreed(not any(math.isfinite(s) for s in scores)):
+        if self._agreed(not any(math.isfinite(s) for s in scores)):  # every rank: one collective follows
+            found, fix = self._first_bad_steps()
             raise NonFiniteError(f"at step {self.step_count} every fork's weights or probe loss are "
-                                 f"non-finite ({[f.setting() for f in self._forks]}): lower the "
-                                 "learning rate, or check the data and the probe for NaN/inf")
+                                 f"non-finite ({[f.setting() for f in self._forks]}){found}: {fix}")
+
+    def _note_bad(self, bad: torch.Tensor) -> None:
+        """A backward's non-finite flags (one per fork trained, on the device): the first step at which
+        some fork's loss, and the first at which every fork's loss, was non-finite on this rank, kept
+        on the device (a masked fill, no host read) for the error that stops the run to name."""
+        first = self.__dict__.get("_first_bad")
+        if first is None or first.device != bad.device:
+            first = self.__dict__["_first_bad"] = torch.full((2,), -1, dtype=torch.int64, device=bad.device)
+        first.masked_fill_(torch.stack([bad.any(), bad.all()]) & (first < 0), self.step_count + 1)
+
+    def _first_bad_steps(self) -> tuple[str, str]:
+        """For :class:`~hpx.errors.NonFiniteError` at a decision (every rank calls it: one gather
+        under torch.distributed): where the training losses first went non-finite, naming the step
+        and the rank(s), and the fix."""
+        first = self.__dict__.get("_first_bad")
+        if first is None:
+            first = torch.full((2,), -1, dtype=torch.int64, device=_device(self._forks[0].model))
+        world = self.collective.world_size
+        rows = (self.collective.all_gather(first) if world > 1 else first.reshape(1, 2)).cpu().tolist()
+        fix = "lower the learning rate, or check the data and the probe for NaN/inf"
+        for col in (1, 0):  # every fork's loss at once (a batch's fault) first, else some fork's
+            steps = [r[col] for r in rows if r[col] > 0]
+            if not steps:
+                continue
+            s = min(steps)
+            who = [rank for rank, r in enumerate(rows) if r[col] == s]
+            on = "" if world == 1 else f" on rank {who[0]}" if len(who) == 1 else f" on ranks {who}"
+            if col == 0:
+                return (f"; the training losses first went non-finite at step {s}{on} (some forks' "
+                        f"only)", fix)
+            spread = "" if world == 1 else (", and the gradients averaged over the ranks carried it to every "
+                                            "rank's forks")
+            return (f"; the training losses first went non-finite at step {s}{on}, every fork's at once: "
+                    f"that step's batch{on.replace(' on', ' of')} or the loss holds a NaN or inf{spread}",
+                    f"skip or mend that batch (or fix the loss) and resume from a checkpoint saved before "
+                    f"step {s}")
+        return "", fix
+
+    def _note_applied(self, trained: list[Any]) -> None:
+        """Under torch.distributed, before a step's optimizer steps: what the step applies (each fork's
+        multiple at this step and its knob values, its optimizer's groups' lr, momentum or betas, weight
+        decay and eps as the schedule left them), host numbers only (a tensor lr is not read: that would
+        wait on its device), kept as one 64-bit hash per step until the next decision compares them over
+        the ranks (:meth:`_check_apart`). Python's hash of numbers and tuples is the same in every
+        process (``PYTHONHASHSEED`` salts strings only); about 2 us per fork."""
+        if self.collective.world_size == 1:
+            return
+        step = self.step_count + 1
+        held = self.__dict__.get("_applied")
+        if held is None or held[0] + len(held[1]) != step:  # the first, or a resume moved the count
+            held = self.__dict__["_applied"] = (step, array("q"))
+        numbers: list[Any] = []
+        for f in trained:
+            numbers += (f.replica.index, f.multiple_at(self.step_count))
+            numbers += [f.values[k] for k in sorted(f.values)]
+            for g in f.optimizer.param_groups:
+                numbers += [_number(g.get(k)) for k in _APPLIED]
+        held[1].append(hash(tuple(numbers)))
+
+    def _check_apart(self, when: str) -> None:
+        """Under torch.distributed, at a decision and ``converge()``, after :meth:`_check_aligned`:
+        ranks that trained apart raise :class:`ConsistencyError` on every rank, whatever set them
+        alike since (a schedule rewrites an lr one rank set alone at the next step). One gather holds
+        the hash of what every step since the last decision applied (:meth:`_note_applied`) and each
+        fork's weights' digest (:func:`hpx.forks.ranks.weights_digest`, exact: ranks that train alike
+        hold bit-identical forks, each fork's gradients all-reduced); a second, only when the steps'
+        hashes differ, finds the first step that differed. Sharded forks' weights are not compared
+        (each rank holds another shard); forks not finite on some rank are left to the non-finite
+        checks."""
+        if self.collective.world_size == 1:
+            return
+        if self._apart is not None and bool(self._apart):  # the cause named first (the same on every rank)
+            raise ConsistencyError(_APART)
+        forks = [*self._forks, *self._clones]
+        start, steps = self.__dict__.pop("_applied", None) or (self.step_count + 1, array("q"))
+        dev = _device(self._forks[0].model)
+        whole = self._sharder is None  # a sharded fork's weights differ by design: each rank holds a shard
+        digest = weights_digest(forks if whole else []).to(dev)
+        head = torch.tensor([start, len(steps), _hash(steps.tobytes())], dtype=torch.int64)
+        rows = self.collective.all_gather(torch.cat([head.to(dev), digest.reshape(-1)])).cpu()
+        heads, digests = rows[:, :3], rows[:, 3:].reshape(rows.shape[0], digest.shape[0], 3)
+        applied = (heads != heads[0]).any(1)
+        finite = (digests[:, :, 2] == 0).all(0)  # [F]: finite on every rank
+        off = (digests[:, :, :2] != digests[0, :, :2]).any(2) & finite  # [W, F]: unlike rank 0's
+        ranks = (applied | off.any(1)).nonzero().reshape(-1).tolist()
+        if not ranks:
+            return
+        said, first = [], None
+        if applied.any() and bool((heads[:, :2] == heads[0, :2]).all()):
+            every = self.collective.all_gather(torch.frombuffer(steps, dtype=torch.int64).to(dev)).cpu()
+            j = int((every != every[0]).any(0).nonzero()[0])
+            first = start + j
+            at = [r for r in range(every.shape[0]) if every[r, j] != every[0, j]]
+            said.append(f"the settings a step applied (each fork's lr, after its schedule and its multiple; "
+                        f"its optimizer's other numbers; its knob values) first differed at step {first} "
+                        f"(ranks {at}), though they agree now (a schedule rewrites an lr at its next step)")
+        elif applied.any():
+            said.append(f"the ranks took {heads[:, 1].tolist()} steps since the last decision (from steps "
+                        f"{heads[:, 0].tolist()})")
+        names = [_label(self, f) for f, w in zip(forks, off.any(0).tolist()) if w]
+        if names:
+            said.append(f"the weights of {', '.join(names)} differ" + ("" if first is not None else
+                                                                     " while every step applied the same "
+                                                                     "settings"))
+        since = f"a checkpoint saved before step {first}" if first is not None else "your last checkpoint"
+        raise ConsistencyError(
+            f"{when}, ranks {ranks} trained apart from rank 0: {'; '.join(said)}. A change "
+            "made on one rank alone (forks.each(...), an lr set by hand, a weight changed or loaded, in a "
+            "branch only that rank takes) trains the ranks apart while only rank 0's decisions are applied: "
+            f"make every change on every rank alike (forks.each(...) on every rank), and resume from {since}")
+
+    def _check_ranks(self, when: str) -> None:
+        """Before a decision or ``converge()``: every rank at the same step (:meth:`_check_aligned`),
+        no rank trained apart (:meth:`_check_apart`), nothing the forks hold alike written on your
+        model alone (:meth:`_check_held`); each raises on every rank alike."""
+        self._check_aligned(when)
+        self._check_apart(when)
+        self._check_held(when)
 
     def _check_aligned(self, when: str) -> None:
         """Under torch.distributed, before a decision, ``converge()`` or a load: every rank is at the
@@ -140,3 +267,17 @@ class _Faults:
                                    f"{when}, the forks' settings (each fork's multiple and knob values, "
                                    "its optimizer's lr, weight decay, betas, ..., its scheduler's step: "
                                    "change them on every rank alike, with forks.each(...) on every rank)")
+
+
+def _number(v: Any) -> Any:
+    """``v`` if it is a plain number or a tuple of them (betas), else ``-1.0`` (a tensor or ``None``,
+    whose hash is its identity: another in every process)."""
+    t = type(v)
+    if t is float or t is int or (t is tuple and all(type(x) is float or type(x) is int for x in v)):
+        return v
+    return -1.0
+
+
+def _hash(data: bytes) -> int:
+    """A 64-bit hash of ``data`` (the same in every process), as a signed integer."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)

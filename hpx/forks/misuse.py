@@ -17,7 +17,7 @@ import torch
 
 from hpx import _checks
 from hpx.errors import ConfigError
-from hpx.forks.fork import _Fork, _unreached
+from hpx.forks.fork import _device, _Fork, _unreached
 from hpx.history import _fork_label
 from hpx.replica import Replica
 
@@ -66,6 +66,22 @@ def model_problems(model: torch.nn.Module) -> list[str]:
                         "ended: both would step it. End that one first (its converge()), or build this Forks "
                         "on a new model")
     return problems
+
+
+def _written_once(again: list[tuple[str, torch.Tensor]], once: dict[int, torch.Tensor],
+                  after: dict[int, tuple[torch.Tensor, int]], fork: str) -> None:
+    """Undo ``fn``'s second write, through ``fork``, to tensors every fork holds once (``again``):
+    they go back to what ``fn`` made of them on your run (``once``); a tensor ``fn`` left alone on
+    your run is refused."""
+    stray = [n for n, t in again if id(t) not in once]
+    if stray:
+        raise ConfigError([f"fn wrote {', '.join(repr(n) for n in stray)}, which every fork holds once, "
+                           f"through {fork} but not through your run: write it alike on every fork (fn runs "
+                           "on your run first), or build hpx.Forks with share=False"])
+    with torch.no_grad():
+        for _, t in again:
+            t.copy_(once[id(t)])
+            after[id(t)] = (after[id(t)][0], t._version)
 
 
 def _label(forks: Any, f: _Fork) -> str:
@@ -195,12 +211,36 @@ class _Guards:
                     "the loop, and resume from your last checkpoint (hpx.load_checkpoint) or start again"]
         return []
 
+    def _check_held(self, when: str) -> None:
+        """At a decision: what every fork holds once (or a copy of, ``share=False``) changed on your
+        model through ``.data``, which moves no version (one pass over it, one host read; under
+        torch.distributed one gather, so that every rank raises alike). Every later step is refused."""
+        written = self._shared.written()
+        bad = [0] if written else []
+        if self.collective.world_size > 1:
+            flag = torch.tensor([1.0 if written else 0.0], device=_device(self._forks[0].model))
+            bad = [r for r, v in enumerate(self.collective.all_gather(flag).reshape(-1).tolist()) if v > 0]
+        if not bad:
+            return
+        what = ", ".join(written) if written else "a tensor held by every fork"
+        where = "" if self.collective.world_size == 1 else f" on rank(s) {bad}"
+        self._half = (f"{when}: {what}{where} changed on your model outside forks.each() (a write through "
+                      ".data, which torch does not count), so your run and the forks trained on different "
+                      "values of it: change it through forks.each(lambda replica: ...), which changes every "
+                      "fork's alike, and resume from your last checkpoint (hpx.load_checkpoint)")
+        raise ConfigError([self._half])
+
     def each(self, fn: Callable[[Replica], Any]) -> None:
         """Call ``fn(replica)`` on every fork and annealed copy (your run's first) to change them all
         alike mid-run: unfreeze a layer, add a parameter group, set an lr by hand. A change made to
         your own objects alone reaches your run only, and is refused at the next step. A frozen
         parameter ``fn`` unfreezes on your run is first given to every other fork as a copy of its
         own (frozen, it was held once for all), so each fork trains its own.
+
+        A tensor every fork holds once (a frozen parameter, a buffer no step writes; ``share=True``)
+        that ``fn`` writes on your run is written once: ``fn``'s writes to it through the other
+        forks are undone (``r.model.scale.mul_(2)`` doubles it once, not once per fork). ``fn`` that
+        writes such a tensor through another fork but not through your run is refused.
 
         ``fn`` that raises on some fork leaves the forks it ran on changed and the rest not: every
         step is then refused, naming them, until ``each`` runs through on every fork (call it again
@@ -211,14 +251,19 @@ class _Guards:
         forks = [*self._forks, *self._clones]
         done = 0
         try:
+            taken = self._shared.taken()  # what every fork holds once, before fn
             fn(forks[0].replica)
             done = 1
             if self._shared.params:
                 self._shared.unshare_unfrozen([f.model for f in forks], [f.optimizer for f in forks])
                 for f in forks:
                     f._watched = None  # its parameters are listed again
+            once = {id(t): t.detach().clone() for _, t in self._shared.moved(taken)}  # fn's write, once
+            after = self._shared.taken() if taken else {}
             for f in forks[1:]:
                 fn(f.replica)
+                if after:
+                    _written_once(self._shared.moved(after), once, after, _label(self, f))
                 done += 1
         except BaseException as e:
             ran = ", ".join(_label(self, f) for f in forks[:done]) or "no fork"

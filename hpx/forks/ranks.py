@@ -11,7 +11,7 @@ import torch
 
 from hpx._buckets import dtype_groups
 from hpx.errors import ConsistencyError
-from hpx.forks.fork import _Fork
+from hpx.forks.fork import _device, _Fork
 
 _APART = ("under torch.distributed some ranks' losses reached a parameter that others' did not (a branch "
           "or an expert chosen by the data), so its gradient was averaged over some ranks only and the "
@@ -116,3 +116,50 @@ def _reduce_bucket(ps: list[torch.Tensor], collective: Any, world: int) -> tuple
         if p.grad is not None:
             p.grad.copy_(part.view_as(p.grad))
     return ((counts > 0) & (counts < world)).any(), met
+
+
+_DIGEST_RUN = 1 << 22  # elements digested at once: a decision's transient memory stays bounded (~100 MiB)
+_BITS = {1: torch.int8, 2: torch.int16}  # a float's bits as integers; 4 bytes and more: as int32 words
+
+
+@torch.no_grad()
+def weights_digest(forks: Sequence[_Fork]) -> torch.Tensor:
+    """Each fork's trainable weights in three integers (``[F, 3]`` int64, on their device; no host
+    read): the sum of their bits read as integers, the sum of those weighted by position (1 to 251,
+    so a swap or two changes that cancel in the first are caught too), and how many are not finite.
+    Integer sums are exact and do not depend on the order a device adds in, so ranks that hold the
+    same weights bit for bit give the same digest on any hardware, and a one-bit difference gives
+    another. For a decision's agreement check (:meth:`hpx.forks.faults._Faults._check_apart`)."""
+    rows = []
+    weight: torch.Tensor | None = None
+    for f in forks:
+        params = [p for p in f.model.parameters() if p.requires_grad and p.numel()]
+        dev = _device(f.model)
+        sums = torch.zeros(3, dtype=torch.int64, device=dev)
+        for idx in dtype_groups(params, skip_empty=True).values():
+            for run in _digest_runs([params[i] for i in idx]):
+                flat = torch.cat(run) if len(run) > 1 else run[0]
+                if flat.is_complex():
+                    flat = torch.view_as_real(flat).reshape(-1)
+                bits = flat.view(_BITS.get(flat.element_size(), torch.int32)).to(torch.int64)
+                if weight is None or weight.device != bits.device or weight.numel() < bits.numel():
+                    weight = torch.arange(bits.numel(), device=bits.device).remainder_(251).add_(1)
+                sums[0] += bits.sum()
+                sums[1] += bits.mul_(weight[:bits.numel()]).sum()
+                sums[2] += (~torch.isfinite(flat)).sum()
+        rows.append(sums)
+    return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.int64)
+
+
+def _digest_runs(ps: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``ps``' elements (flat) in consecutive runs of at most :data:`_DIGEST_RUN` (a larger tensor split)."""
+    out: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for p in ps:
+        for part in p.detach().reshape(-1).split(_DIGEST_RUN):
+            if out[-1] and size + part.numel() > _DIGEST_RUN:
+                out.append([])
+                size = 0
+            out[-1].append(part)
+            size += part.numel()
+    return [r for r in out if r]

@@ -328,8 +328,9 @@ class Forks(_Scoring, _Faults, _State, _Guards):
                 self._probe_fn, self._initial = None, None
                 self._shared.forget()
             raise
-        if self.collective.world_size == 1:  # a device op; read a step later (_read_losses)
-            bad = ~torch.isfinite(torch.stack(found))
+        bad = ~torch.isfinite(torch.stack(found))  # device ops; the first bad step is kept on the device
+        self._note_bad(bad)
+        if self.collective.world_size == 1:  # read a step later (_read_losses)
             held = self._losses_bad
             self._losses_bad = (trained, bad if held is None else held[1] | bad)
         losses = {id(f): v for f, v in zip(trained, found)}
@@ -367,12 +368,14 @@ class Forks(_Scoring, _Faults, _State, _Guards):
                        for f in trained]
             norms = torch.stack([n.full_tensor() if is_dtensor(n) else n
                                  for f, n in zip(trained, clipped) if f.ramp is None])
+        self._note_applied(trained)  # under torch.distributed: a hash of the settings applied (host floats)
         for f in trained:
             self._step_one(f, None if scaler is None else f.scaler)
         for f in trained if scaler is not None else ():
             f.scaler.update()
         if self.step_count == 0:  # the buffers the first step left unwritten are held once from now on
             self._shared.share_buffers([f.model for f in self._forks])
+        self._shared.settle()  # share=False: what a step writes is each fork's own (host reads only)
         self.fork_steps += len(trained) + self._outside  # a framework's step of your run counts too
         self._stash_losses()
         self._advance()
@@ -456,7 +459,7 @@ class Forks(_Scoring, _Faults, _State, _Guards):
         due = (self._decide_at is not None and self._decide_at[0] <= s) or (
             self._plan.get(s) is not None and self.cool == 0) or (s == self.total_steps and not self.decided)
         if due:  # a decision's collectives follow: every rank must be at this step
-            self._check_aligned(f"deciding at step {s}")
+            self._check_ranks(f"deciding at step {s}")
         if self._decide_at is not None and self._decide_at[0] <= s:  # a cut decided on its copies
             scored = [_LOST] * len(self._forks)
             if not self._forks[0].lost:  # your run is kept at every cut: scored as it is, not annealed
@@ -577,7 +580,7 @@ class Forks(_Scoring, _Faults, _State, _Guards):
     def converge(self) -> torch.nn.Module:
         """Decide now if the run's end has not decided yet (a loop shorter than ``total_steps``),
         and return your model, holding the winner. Under torch.distributed every rank calls it."""
-        self._check_aligned("converge()")  # a rank that stepped more or fewer times raises here
+        self._check_ranks("converge()")  # a rank that stepped more or fewer times, or trained apart, raises
         if not self.decided and 0 < self.step_count < self.total_steps:
             log.warning("hpx.Forks: converge() at step %d of total_steps=%d: the end is decided now, on runs "
                         "%d%% of the way through their schedules; give total_steps the number of steps the "

@@ -17,6 +17,19 @@ copy holds your run's tensor itself rather than a copy of it.
   before anything changes, and a shared buffer written since (a cache filled late) stops the run
   with its name. Unfreeze through :meth:`hpx.Forks.each`, which first gives every other fork its
   own copy of what the change unfreezes.
+
+What is held once is watched the same way with ``share=False`` (your run's frozen parameters and
+the buffers the first step left unwritten, which every fork then holds a copy of): a write to one
+of them on your model alone, between steps, would reach your run and not the forks, so in both
+modes such a write is refused, the same way. (With ``share=False`` a tensor that a step writes is
+each fork's own, and is no longer watched from that step on.) Before every step, host reads only:
+a frozen parameter unfrozen, a tensor written in place (its version moved), a buffer or parameter
+replaced by assignment (your module holds another tensor under its name). At each decision, one
+pass over the held tensors (a sum and a norm each, one host read): a write through ``.data``,
+which torch does not count as a version.
+:meth:`hpx.Forks.each` writes every fork's tensors once: a tensor held once that ``fn`` writes on
+your run is not written again through the other forks (``fn`` runs on each, the tensor is theirs
+too).
 """
 
 from __future__ import annotations
@@ -45,17 +58,100 @@ def _slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     return [(m, key) for m in model.modules() for key, p in m._parameters.items() if p is not None]
 
 
+def _digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """A sum and a norm of each tensor, in float64, on the first one's device (device ops only)."""
+    if not tensors:
+        return None
+    dev = tensors[0].device
+    parts = []
+    for t in tensors:
+        x = t.detach()
+        norm = torch.linalg.vector_norm(x, dtype=torch.float64) if x.is_floating_point() else x.new_zeros(
+            (), dtype=torch.float64)
+        parts += [torch.sum(x, dtype=torch.float64).to(dev), norm.to(dev)]
+    return torch.stack(parts)
+
+
 class _Shared:
     """The tensors every fork of one :class:`hpx.Forks` holds once (see the module's docstring)."""
 
     def __init__(self, model: torch.nn.Module, enabled: bool) -> None:
         self.enabled = enabled
+        self._model = model  # your run's: what a write outside forks.each() is looked for on
         names = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
-        self.params: list[tuple[str, torch.Tensor]] = [
-            (names[id(p)], p) for p in model.parameters() if not p.requires_grad] if enabled else []
-        self.buffers: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, its version when shared)
+        frozen = [(names[id(p)], p) for p in model.parameters() if not p.requires_grad]
+        self._params: list[tuple[str, torch.Tensor]] = frozen if enabled else []
+        self._frozen: list[tuple[str, torch.Tensor]] = [] if enabled else frozen  # share=False: watched only
+        self._buffers: list[tuple[str, torch.Tensor, int]] = []  # (name, tensor, its version when shared)
+        self._kept: list[tuple[str, torch.Tensor]] = []  # share=False: the buffers shared=True would hold
         self._watch: list[list[tuple[str, torch.Tensor, int]]] | None = None  # before the first step
         self._before: list[torch.Tensor | None] = []  # ... and your run's values then
+        self._versions: dict[int, int] = {}  # id -> version of every held tensor when last checked
+        self._digests: dict[int, torch.Tensor] = {}  # id -> its sum and norm when last taken
+        # where your model holds them: (kind, name, module, key, tensor)
+        self._places: list[tuple[str, str, torch.nn.Module, str, torch.Tensor]] = []
+        self._remember()
+
+    # What is held once: setting either list to [] (one run left, sharded forks) stops watching it in
+    # both modes (share=False watches the same tensors without holding them once).
+    @property
+    def params(self) -> list[tuple[str, torch.Tensor]]:
+        return self._params
+
+    @params.setter
+    def params(self, value: list[tuple[str, torch.Tensor]]) -> None:
+        self._params = value
+        if not value:
+            self._frozen = []
+        self._remember()
+
+    @property
+    def buffers(self) -> list[tuple[str, torch.Tensor, int]]:
+        return self._buffers
+
+    @buffers.setter
+    def buffers(self, value: list[tuple[str, torch.Tensor, int]]) -> None:
+        self._buffers = value
+        if not value:
+            self._kept = []
+        self._remember()
+
+    def held(self) -> list[tuple[str, str, torch.Tensor]]:
+        """``(kind, name, tensor)`` of what your run holds that no step writes: every fork holds it
+        once (``share=True``) or a copy of it (``share=False``)."""
+        if self.enabled:
+            return ([("parameter", n, p) for n, p in self._params]
+                    + [("buffer", n, b) for n, b, _ in self._buffers])
+        return [("parameter", n, p) for n, p in self._frozen] + [("buffer", n, b) for n, b in self._kept]
+
+    def _remember(self) -> None:
+        """Take what is held as it is now: versions, the places your model holds it, its digest
+        (device ops, no host read)."""
+        held = self.held()
+        ids = {id(t) for _, _, t in held}
+        self._versions = {id(t): t._version for _, _, t in held}
+        places = [("parameter", f"{p}.{k}" if p else k, m, k, t) for p, m in self._model.named_modules()
+                  for k, t in m._parameters.items() if t is not None and id(t) in ids]
+        places += [("buffer", f"{p}.{k}" if p else k, m, k, t) for p, m in self._model.named_modules()
+                   for k, t in m._buffers.items() if t is not None and id(t) in ids]
+        self._places = places
+        d = _digest([t for _, _, t in held])
+        self._digests = {} if d is None else {id(t): d[2 * i:2 * i + 2] for i, (_, _, t) in enumerate(held)}
+
+    def settle(self) -> None:
+        """After every optimizer step, ``share=False``: a watched tensor this step wrote is each
+        fork's own from now on (written by every fork's step alike), no longer watched (host reads
+        only)."""
+        if self.enabled or not (self._frozen or self._kept):
+            return
+        moved = {id(t) for _, _, t in self.held() if self._versions.get(id(t)) != t._version}
+        if moved:
+            self._frozen = [(n, t) for n, t in self._frozen if id(t) not in moved]
+            self._kept = [(n, t) for n, t in self._kept if id(t) not in moved]
+            self._places = [pl for pl in self._places if id(pl[4]) not in moved]
+            for i in moved:
+                self._versions.pop(i, None)
+                self._digests.pop(i, None)
 
     def memo(self) -> dict[int, Any]:
         """A ``copy.deepcopy`` memo in which the shared tensors copy as themselves."""
@@ -65,7 +161,7 @@ class _Shared:
 
     def watch(self, models: Sequence[torch.nn.Module]) -> None:
         """Before the first step's first forward: the version of every buffer of every model."""
-        if self.enabled and self._watch is None:
+        if self._watch is None:
             self._watch = [[(n, b, b._version) for _, _, n, b in _named_buffers(m)] for m in models]
             norms = torch.nn.modules.batchnorm._NormBase
             self._before = [None if isinstance(m, norms) else b.detach().clone()
@@ -90,6 +186,7 @@ class _Shared:
                                                    for w, n in zip(watched, now))
                      for i in range(len(now[0]))]
         mine = now[0]
+        kept: list[tuple[str, torch.Tensor]] = []
         for i, ok in enumerate(untouched):
             if not ok:
                 continue
@@ -100,10 +197,15 @@ class _Shared:
                        and n[i][3].device == t.device and torch.equal(n[i][3], was) for n in now)
             if not same:  # written without a version (a fused kernel), or set apart by a knob
                 continue
+            if not self.enabled:  # every fork keeps its copy; yours is watched
+                kept.append((name, t))
+                continue
             for n in now[1:]:
                 module, key = n[i][0], n[i][1]
                 module._buffers[key] = t
-            self.buffers.append((name, t, t._version))
+            self._buffers.append((name, t, t._version))
+        self._kept = kept
+        self._remember()
 
     def adopt(self, model: torch.nn.Module) -> None:
         """Point ``model``'s buffers at the shared ones (a fork rebuilt from a checkpoint)."""
@@ -116,9 +218,12 @@ class _Shared:
                 m._buffers[key] = t
 
     def refresh(self) -> None:
-        """Take the shared buffers' versions as they are now (after a load or a winner's adoption
-        copied values into them)."""
-        self.buffers = [(n, t, t._version) for n, t, _ in self.buffers]
+        """Take the shared buffers' versions, and what is held, as they are now (after a load, a
+        winner's adoption or :meth:`hpx.Forks.each` wrote them). A frozen parameter that each()
+        unfroze is no longer held."""
+        self._frozen = [(n, p) for n, p in self._frozen if not p.requires_grad]
+        self._buffers = [(n, t, t._version) for n, t, _ in self._buffers]
+        self._remember()
 
     def problems(self) -> list[str]:
         """What broke the sharing since the last step (host reads only)."""
@@ -133,8 +238,66 @@ class _Shared:
                 return [f"buffer {name!r} was written in place after the first step, which left it "
                         "untouched, so every fork holds it once and the forks' writes to it have mixed: "
                         "write it at every step (the first included) or keep it out of the model's buffers, "
-                        f"{_UNSHARE}"]
+                        f"{_UNSHARE}; a value you set between steps: set it through forks.each(lambda "
+                        "replica: ...), which writes it once for every fork"]
+        return self._yours_alone()
+
+    def _yours_alone(self) -> list[str]:
+        """A held tensor changed on your model outside forks.each(): unfrozen, written in place, or
+        replaced by assignment (host reads only)."""
+        fix = ("change it through forks.each(lambda replica: ...), which changes every fork's alike (a "
+               "tensor held once, once), and resume from your last checkpoint (hpx.load_checkpoint)")
+        where = "every fork holds it once" if self.enabled else "every fork holds a copy of it"
+        for kind, name, m, key, t in self._places:
+            now = (m._parameters if kind == "parameter" else m._buffers).get(key)
+            if now is not t:
+                return [f"{kind} {name!r} of your model was replaced by assignment after hpx.Forks was "
+                        f"built; {where}, and the forks still hold the one it replaced: {fix}"]
+        for kind, name, t in self.held():
+            if kind == "parameter" and t.requires_grad:
+                return [f"parameter {name!r} was frozen when hpx.Forks was built, and now requires grad on "
+                        "your model alone: your run would train it and the other forks not. Unfreeze it with "
+                        "forks.each(lambda replica: ...)"]
+            if self._versions.get(id(t), t._version) != t._version:
+                if self.enabled:  # a buffer of this kind is named above; a frozen parameter here
+                    return [f"frozen parameter {name!r} was written in place, and every fork holds it once: "
+                            "a write by a step mixes the forks' writes, one outside forks.each() reaches "
+                            f"every fork at once; {fix}, or build hpx.Forks with share=False, which gives "
+                            "every fork a copy of its own"]
+                what = "frozen parameter" if kind == "parameter" else "buffer (unwritten by the first step)"
+                return [f"{what} {name!r} was written in place on your model between steps, outside "
+                        f"forks.each(); {where}, so the write would reach your run alone: {fix}"]
         return []
+
+    def written(self) -> list[str]:
+        """The held tensors whose values changed since they were last taken (a write through
+        ``.data``, which moves no version): one pass over them and one host read, at a decision."""
+        held = [(k, n, t) for k, n, t in self.held() if id(t) in self._digests]
+        now = _digest([t for _, _, t in held])
+        if now is None:
+            return []
+        was = torch.cat([self._digests[id(t)].to(now.device) for _, _, t in held])
+        moved = (now != was).reshape(-1, 2).any(1).tolist()
+        return [f"{kind} {name!r}" for (kind, name, _), m in zip(held, moved) if m]
+
+    def taken(self) -> dict[int, tuple[torch.Tensor, int]]:
+        """Each tensor held once (``share=True``) -> its sum and norm and its version, as they are
+        now (device ops): what :meth:`moved` compares with."""
+        held = [t for _, _, t in self.held()] if self.enabled else []
+        d = _digest(held)
+        return {} if d is None else {id(t): (d[2 * i:2 * i + 2], t._version) for i, t in enumerate(held)}
+
+    def moved(self, taken: dict[int, tuple[torch.Tensor, int]]) -> list[tuple[str, torch.Tensor]]:
+        """The tensors held once, of those in ``taken``, whose values or version moved since (one
+        host read)."""
+        held = [(n, t) for _, n, t in (self.held() if self.enabled else []) if id(t) in taken]
+        if not held:
+            return []
+        now = _digest([t for _, t in held])
+        assert now is not None
+        was = torch.cat([taken[id(t)][0].to(now.device) for _, t in held])
+        changed = (now != was).reshape(-1, 2).any(1).tolist()
+        return [(n, t) for (n, t), c in zip(held, changed) if c or taken[id(t)][1] != t._version]
 
     def unshare_unfrozen(self, models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                          ) -> None:
@@ -144,7 +307,7 @@ class _Shared:
         thawed = {id(p): p for _, p in self.params if p.requires_grad}
         if not thawed:
             return
-        self.params = [(n, p) for n, p in self.params if id(p) not in thawed]
+        self._params = [(n, p) for n, p in self._params if id(p) not in thawed]
         for model, opt in zip(models[1:], optimizers[1:]):
             own: dict[int, torch.nn.Parameter] = {}
             for m, key in _slots(model):
