@@ -20,7 +20,16 @@ pytest.importorskip("sklearn")
 pytest.importorskip("transformers")
 pytest.importorskip("pydoc_data.topics")
 
-from benchmarks import _store, bench_dist, bench_step, forks_memory, forks_overhead, scaling, vmap_probe
+from benchmarks import (
+    _store,
+    bench_dist,
+    bench_step,
+    forks_knobs,
+    forks_memory,
+    forks_overhead,
+    scaling,
+    vmap_probe,
+)
 from benchmarks.lr import __main__ as suite
 from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize, warmup
 from benchmarks.lr.tasks import TASKS
@@ -117,7 +126,8 @@ def test_the_cost_section_is_its_committed_store_read():
 # the engine study's sections whose command keeps its measurement in benchmarks/stored/ (with the
 # machine it was made on) and writes the section from that store alone
 ENGINE = {"vmap_probe": vmap_probe, "bench_step": bench_step, "scaling": scaling,
-          "forks-memory": forks_memory, "forks-overhead": forks_overhead, "bench_dist": bench_dist}
+          "forks-memory": forks_memory, "forks-overhead": forks_overhead, "forks-knobs": forks_knobs,
+          "bench_dist": bench_dist}
 
 
 @pytest.mark.parametrize("marker", ENGINE)
@@ -184,3 +194,15 @@ def test_the_warmup_section_is_its_committed_store_read():
     needs(warmup.STORE)
     body = warmup.section(warmup.onecycle_tasks(), suite._load(warmup.STORE))
     assert committed("lr-warmup") == f"\n## {warmup.TITLE}\n\n{body}"
+
+
+def test_the_readmes_cost_with_knobs_is_the_stores():
+    """The README's steps with one, two and three knobs are forks_knobs' stored figures."""
+    if not forks_knobs.STORE.exists():
+        pytest.skip(f"not committed yet: {_store.shown(forks_knobs.STORE)} (`{forks_knobs.COMMAND}`)")
+    rows = json.loads(forks_knobs.STORE.read_text())["res"]
+    readme = " ".join((DOC.parents[1] / "README.md").read_text().split())
+    said = re.search(r"each knob adds up to two forks to the run's first phase: (.*?) \(`python -m "
+                     r"benchmarks\.forks_knobs`\)", readme)
+    assert said, "the README's Cost line names no figure with knobs"
+    assert re.findall(r"(\d\.\d)x", said.group(1)) == [f"{r['steps']:.1f}" for r in rows if r["count"]]
