@@ -1009,6 +1009,10 @@ FORKS_ROUND_TWO_ROWS = [  # (fault, where, what happens, the tests that check it
      "ConsistencyError on every rank within seconds, naming the step, nothing saved (rank 1 waited out "
      "the process group's timeout, rank 0 got gloo's 'Connection closed by peer')",
      "tests/test_forks_ranks.py::test_saves_at_different_steps_raise_on_every_rank_without_hanging"),
+    ("rank 0 loads a checkpoint, rank 1 starts fresh (its loop forgot the load), without shard=",
+     "2 gloo ranks", "ConsistencyError on both within seconds (rank 1 died with gloo's 'Received data "
+     "size doesn't match'): the first step sends a marker of its own before its first collective",
+     "tests/test_forks_ranks.py::test_a_load_on_one_rank_only_raises_on_every_rank_without_hanging"),
     ("a buffer no step writes or a frozen weight written in place, or replaced by assignment, on your "
      "model alone between steps", "in process, share=True and share=False",
      "refused at the next step in both modes alike, naming the tensor and forks.each (with share=False "

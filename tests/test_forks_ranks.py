@@ -91,6 +91,35 @@ def test_resuming_on_more_processes_than_saved_is_refused_naming_the_count(tmp_p
                "process count" in o for o in out)
 
 
+def _one_loads(rank: int, world: int, folder: str) -> tuple[str, float]:
+    """Rank 0 resumes from the checkpoint, the others start fresh and train (their loop forgot the
+    load): the fresh ranks died with gloo's 'Received data size doesn't match'."""
+    import time
+
+    model = _net(p=0.0)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=STEPS, probe=PROBE,
+                      backend=hpx.backends.TorchDistributed())
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            hpx.load_checkpoint(folder, forks)
+        for b in BATCHES[:STEPS]:
+            forks.step(_loss, b)
+        return "ok", time.monotonic() - t0
+    except ConsistencyError as e:
+        return str(e), time.monotonic() - t0
+
+
+@pytest.mark.procs
+def test_a_load_on_one_rank_only_raises_on_every_rank_without_hanging(tmp_path):
+    run_distributed(_save, 2, str(tmp_path))
+    out = run_distributed(_one_loads, 2, str(tmp_path), timeout=120)
+    for msg, seconds in out:
+        assert "ran different numbers of optimizer steps" in msg or "met another rank's" in msg, msg
+        assert seconds < 30, seconds
+    assert any("loading a checkpoint" in msg for msg, _ in out)
+
+
 def _sharded(rank: int, world: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

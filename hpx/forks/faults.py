@@ -238,6 +238,13 @@ class _Faults:
         self._check_apart(when)
         self._check_held(when)
 
+    def _check_started(self) -> None:
+        """Under torch.distributed, before the first probe pass: every rank is starting its first step
+        (the starting marker of :func:`hpx.forks.ranks.check_steps_aligned`), so a rank that loads a
+        checkpoint while another starts afresh raises on both instead of hanging."""
+        if self.collective.world_size > 1 and self._sharder is None and self.step_count == 0:
+            check_steps_aligned(self._trained(), self.collective, 0, "starting the first step", starting=True)
+
     def _check_aligned(self, when: str) -> None:
         """Under torch.distributed, before a decision, ``converge()`` or a load: every rank is at the
         same step, or every rank raises :class:`ConsistencyError` within one collective instead of

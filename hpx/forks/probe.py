@@ -346,6 +346,8 @@ class _Scoring:
         """:meth:`_scores`, and the probe's losses they were taken from (per batch or per example)."""
         if self._apart is not None and bool(self._apart):  # a decision's host read: not per step
             raise ConsistencyError(_APART)
+        if first:  # the first pass's collectives follow: every rank must be starting its first step
+            self._check_started()
         found = self._probe_losses(forks, units=False, first=first)
         return [mean_score(parts, first) for parts in found], found
 

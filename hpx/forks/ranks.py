@@ -53,24 +53,33 @@ def first_bucket(trained: Sequence[_Fork]) -> list[torch.Tensor]:
     return _buckets([params[i] for i in groups[0]])[0] if groups else []
 
 
-def check_steps_aligned(trained: Sequence[_Fork], collective: Any, step: int, when: str) -> None:
+def check_steps_aligned(trained: Sequence[_Fork], collective: Any, step: int, when: str,
+                        starting: bool = False) -> None:
     """Before a decision (or converge(), or a load) under torch.distributed: every rank sends one
     all-reduce shaped as a step's first, zeros where the gradients go and the marker ``-(W + 1)``
     where the counts of ranks go. Ranks at the same point see ``W`` markers; a rank still at a
     training step pairs its gradients with it instead, and both raise :class:`ConsistencyError`
     within that one collective, where they used to hang until the process group's timeout (the
     engine's marker, ``hpx/engine/aligned.py``, for Forks' buckets). Float gradients of 16 bits are not
-    checked (the sum of markers is not exact there)."""
+    checked (the sum of markers is not exact there).
+
+    ``starting``: the first step's marker, sent before the first probe pass (whose collectives are
+    not a step's), twice the others': a rank that starts training while another loads a checkpoint
+    (or decides, or saves) pairs its marker with the other's, the sum is neither rank's marker times
+    ``W``, and both raise (with two markers any mix is caught: ``a n_a + 2 a n_b = a W`` only if
+    ``n_b = 0``)."""
     ps = first_bucket(trained)
     if not ps or ps[0].dtype not in (torch.float32, torch.float64):
         return
     world = collective.world_size
-    mark = -float(world + 1)  # a step's counts are 0..W: a marker in a sum makes it negative
+    mark = -float(world + 1) * (2 if starting else 1)  # a step's counts are 0..W: a marker makes it negative
     flat = ps[0].new_zeros(sum(p.numel() for p in ps) + len(ps))
     flat[-len(ps):] = mark
     collective.all_reduce_sum_([flat])
     if not bool((flat[-len(ps):] == mark * world).all()):
-        raise ConsistencyError(f"{when} at step {step}, another rank was at a training step: {_MET}")
+        other = ("loading a checkpoint, deciding or saving while this one starts training" if starting
+                 else "at a training step")
+        raise ConsistencyError(f"{when} at step {step}, another rank was {other}: {_MET}")
 
 
 def met_a_marker(count_sums: torch.Tensor) -> torch.Tensor:
