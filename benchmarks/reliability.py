@@ -729,7 +729,7 @@ DIST_FAULTS = [
 ]
 
 
-def _table(rows: list[Row], wall: float, command: str) -> str:
+def _table(rows: list[Row], wall: float, command: str, round_two: str = "") -> str:
     lines = [
         "# Reliability: faults injected, and what survived",
         "",
@@ -772,7 +772,7 @@ def _table(rows: list[Row], wall: float, command: str) -> str:
               "DDP the gradient all-reduces are DDP's own: uneven inputs there are DDP's to handle "
               "(its `join()`).", ""]
     lines += FORKS_CHECKPOINT_SECTION + FORKS_RUN_SECTION + FORKS_RANKS_SECTION + FORKS_MISUSE_SECTION
-    lines += FORKS_ROUND_TWO_SECTION
+    lines += FORKS_ROUND_TWO_SECTION + ([round_two, ""] if round_two else [])
     return "\n".join(lines)
 
 
@@ -858,15 +858,13 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)  # the in-process runs are tiny: more threads only contend for the cores
         rows += (in_process_rows(Path(tmp)) + mask_rows() + bad_gradient_in_process_rows()
                  + half_finished_rows() + elastic_autolr_rows(Path(tmp)))
-    text = _table(rows, time.perf_counter() - start, "python -m benchmarks.reliability")
+    round_two = run_round_two()  # the round-two cases are tests: run them, say how they ended
+    text = _table(rows, time.perf_counter() - start, "python -m benchmarks.reliability", round_two)
     print(text)
     if not args.no_write:
         DOC.write_text(text)
         print(f"wrote {DOC.relative_to(ROOT)}")
 
-
-if __name__ == "__main__":
-    main()
 
 
 FORKS_RUN_ROWS = [  # (fault injected, where, what happens, the test in tests/test_forks.py that checks it)
@@ -1053,8 +1051,8 @@ FORKS_ROUND_TWO_ROWS = [  # (fault, where, what happens, the tests that check it
 FORKS_ROUND_TWO_SECTION = [
     "## hpx.Forks faults, round two",
     "",
-    "The second outside audit's cases (AdamW + OneCycleLR, 40 steps). Checked by the tests named "
-    "(`pytest` each; not rerun by this benchmark).",
+    "The second outside audit's cases (AdamW + OneCycleLR, 40 steps). Checked by the tests named, which "
+    "this benchmark runs (`pytest` on each; the line below the table says how they ended).",
     "",
     "| fault | where | what happens | tests |",
     "| --- | --- | --- | --- |",
@@ -1062,3 +1060,26 @@ FORKS_ROUND_TWO_SECTION = [
       for fault, where, what, tests in FORKS_ROUND_TWO_ROWS],
     "",
 ]
+
+
+def round_two_tests() -> list[str]:
+    """The pytest node ids the round-two rows name, each once, in the table's order."""
+    ids = [t.strip() for *_, tests in FORKS_ROUND_TWO_ROWS for t in tests.split(",")]
+    return list(dict.fromkeys(ids))
+
+
+def run_round_two() -> str:
+    """Run the round-two rows' tests (``pytest`` in a subprocess, at the repository's root) and say
+    how they ended, as the line below their table."""
+    t0 = time.perf_counter()
+    ids = round_two_tests()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids], cwd=ROOT,
+                          capture_output=True, text=True)
+    lines = [line for line in proc.stdout.strip().splitlines() if line.strip()]
+    last = lines[-1].strip("= ").split(" in ")[0] if lines else "no output"
+    return (f"Run by this command: the {len(ids)} tests named above, each with its parameters: {last} "
+            f"({time.perf_counter() - t0:.0f} s; pytest's exit status {proc.returncode}).")
+
+
+if __name__ == "__main__":
+    main()

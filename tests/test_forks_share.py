@@ -318,3 +318,7 @@ def test_the_reliability_doc_holds_the_round_two_table_naming_tests_that_exist()
             assert callable(getattr(module, name, None)), ref
     doc = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
     assert "\n".join(reliability.FORKS_ROUND_TWO_SECTION) in doc
+    # the command ran them: the line below the table, as run_round_two writes it, every one passed
+    ran = f"Run by this command: the {len(reliability.round_two_tests())} tests named above, each with its"
+    line = next(x for x in doc.splitlines() if x.startswith(ran))
+    assert " passed (" in line and "failed" not in line and line.endswith("pytest's exit status 0).")
