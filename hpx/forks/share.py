@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from hpx.averaging import local
+
 _UNSHARE = ("or build hpx.Forks with share=False, which gives every fork its own copy of every tensor")
 
 
@@ -59,13 +61,15 @@ def _slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
 
 
 def _digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """A sum and a norm of each tensor, in float64, on the first one's device (device ops only)."""
+    """A sum and a norm of each tensor (this rank's shard of a sharded one), in float64, on the first
+    one's device (device ops only)."""
     if not tensors:
         return None
-    dev = tensors[0].device
+    dev = local(tensors[0]).device
     parts = []
     for t in tensors:
-        x = t.detach()
+        x = local(t).detach()  # a sharded (FSDP2) tensor: this rank's shard
+        x = torch.view_as_real(x) if x.is_complex() else x
         norm = torch.linalg.vector_norm(x, dtype=torch.float64) if x.is_floating_point() else x.new_zeros(
             (), dtype=torch.float64)
         parts += [torch.sum(x, dtype=torch.float64).to(dev), norm.to(dev)]
