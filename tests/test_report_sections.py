@@ -264,7 +264,8 @@ def test_a_cost_report_from_the_store_alone_keeps_the_sections_repeats_and_machi
                                                                                   monkeypatch, capsys):
     monkeypatch.setattr(cost, "machine", lambda: "another machine")
     for argv in (["--tasks"], ["--tasks", "--repeats", "1"]):
-        _left(lambda a=argv: cost.main(a), doc, capsys)
+        _left(lambda a=argv: cost.main(a), doc, capsys)  # the section as it was, byte for byte
+        assert cost.recorded(doc.read_text()) == _SHARED  # the committed repeats and machine, not these
 
 
 def test_a_cost_run_of_some_tasks_refuses_other_repeats_or_another_machine(doc, cost_store, monkeypatch):
