@@ -127,7 +127,7 @@ def _reduce_bucket(ps: list[torch.Tensor], collective: Any, world: int) -> tuple
     return ((counts > 0) & (counts < world)).any(), met
 
 
-_DIGEST_RUN = 1 << 22  # elements digested at once: a decision's transient memory stays bounded (~100 MiB)
+_DIGEST_RUN = 1 << 20  # elements digested at once: a decision's transient memory stays bounded (~25 MiB)
 _BITS = {1: torch.int8, 2: torch.int16}  # a float's bits as integers; 4 bytes and more: as int32 words
 
 

@@ -60,19 +60,27 @@ def _slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
     return [(m, key) for m in model.modules() for key, p in m._parameters.items() if p is not None]
 
 
+_CHUNK = 1 << 20  # elements read at once: a digest's float64 temporaries stay within 8 MiB
+
+
 def _digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     """A sum and a norm of each tensor (this rank's shard of a sharded one), in float64, on the first
-    one's device (device ops only)."""
+    one's device (device ops only), taken in chunks so that no float64 copy of a whole tensor is
+    made (a frozen base's largest weight would have been copied whole at every decision)."""
     if not tensors:
         return None
     dev = local(tensors[0]).device
     parts = []
     for t in tensors:
         x = local(t).detach()  # a sharded (FSDP2) tensor: this rank's shard
-        x = torch.view_as_real(x) if x.is_complex() else x
-        norm = torch.linalg.vector_norm(x, dtype=torch.float64) if x.is_floating_point() else x.new_zeros(
-            (), dtype=torch.float64)
-        parts += [torch.sum(x, dtype=torch.float64).to(dev), norm.to(dev)]
+        x = (torch.view_as_real(x) if x.is_complex() else x).reshape(-1)
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        squares = torch.zeros((), dtype=torch.float64, device=x.device)
+        for c in x.split(_CHUNK):
+            total += torch.sum(c, dtype=torch.float64)
+            if c.is_floating_point():
+                squares += torch.linalg.vector_norm(c, dtype=torch.float64).square()
+        parts += [total.to(dev), squares.to(dev)]
     return torch.stack(parts)
 
 
