@@ -201,15 +201,20 @@ def test_tensors_in_a_decisions_info_reach_the_history_file_as_numbers(tmp_path)
 
 
 def test_a_spread_past_the_bounds_is_named_when_the_base_is_read_from_the_replica(caplog):
-    """Refused when the knob is declared with its base; with a base read from your model or
-    optimizer (a dropout rate of 0) the engine trains on, clamping, and says so (it did not)."""
+    """Refused by the engine when the knob is declared with its base (the knob itself is accepted:
+    hpx.Forks leaves a side past a bound out); with a base read from your model or optimizer (a
+    dropout rate of 0) the engine trains on, clamping, and says so (it did not)."""
     with caplog.at_level(logging.WARNING, logger="hpx"):
         hpx.Engine(_model(), _sgd(0.1), [hpx.LearningRate(span=10, bounds=(0.05, 1.0))], replicas=4)
         hpx.Engine(_model(drop=0.1), _sgd(0.1), [hpx.Dropout(spread=0.3)], replicas=4)
     assert "would span [0.01, 1], past its bounds [0.05, 1]" in caplog.text
     assert "knob 'dropout' would span [-0.2, 0.4], past its bounds [0, 0.99]" in caplog.text
-    with pytest.raises(ConfigError, match=r"would span \[0.01, 1\], past its bounds"):
-        hpx.LearningRate(base=0.1, span=10, bounds=(0.05, 1.0))
+    knob = hpx.LearningRate(base=0.1, span=10, bounds=(0.05, 1.0))  # declared: Forks would take it
+    with pytest.raises(ConfigError, match=r"would span \[0.01, 1\], past its bounds \[0.05, 1\]"):
+        hpx.Engine(_model(), _sgd(0.1), [knob], replicas=4)
+    with pytest.raises(ConfigError, match=r"would span \[-0.2, 0.4\], past its bounds \[0, 0.99\]: .*use a "
+                       r"spread <= 0.1"):
+        hpx.Engine(_model(drop=0.1), _sgd(0.1), [hpx.Dropout(base=0.1, spread=0.3)], replicas=4)
 
 
 def test_a_knob_subclass_with_a_per_step_scale_is_written_at_every_step():

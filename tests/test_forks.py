@@ -1164,17 +1164,24 @@ def test_a_forks_loss_errors_name_the_fork_and_the_fix():
         other.step(_loss, BATCHES[0])
 
 
-def test_a_weight_decay_knob_on_a_group_without_decay_names_the_group_that_has_it():
-    """The usual groups (no decay on biases first): WeightDecay reads group 0's 0, which it cannot
-    spread around; the message names the group that decays."""
+def test_a_weight_decay_knob_on_a_group_without_decay_forks_upward_and_the_engine_names_the_group():
+    """The usual groups (no decay on biases first): WeightDecay reads group 0's 0, which Forks
+    explores upward (AdamW: to 0.01) and the engine, which spreads by ratios, refuses naming the group
+    that decays."""
     model = _net()
     groups = [{"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
               {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.01}]
     opt = torch.optim.AdamW(groups, lr=0.01)
-    with pytest.raises(hpx.ConfigError, match=r"weight_decay=0.0 from parameter group 0 .*give group=1"):
-        hpx.Forks(model, opt, total_steps=20, probe=PROBE, knobs=[hpx.WeightDecay(span=10)])
+    forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, multiples=(1.0,), cuts=(),
+                      knobs=[hpx.WeightDecay(span=10)])
+    assert [f.optimizer.param_groups[0]["weight_decay"] for f in forks._forks] == [0.0, 0.01]
     forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, knobs=[hpx.WeightDecay(span=10, group=1)])
     assert forks.bases["weight_decay"] == 0.01
+    with pytest.raises(hpx.ConfigError, match=r"weight_decay=0.0 from parameter group 0 .*give group=1"):
+        hpx.Engine(_net(), lambda m: torch.optim.AdamW([
+            {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
+            {"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.01}], lr=0.01),
+            [hpx.WeightDecay(span=10)], replicas=2)
 
 
 class _Stateful(nn.Module):

@@ -217,10 +217,21 @@ def test_base_outside_bounds_is_rejected(kind, low, gap, above):
 
 
 @SETTINGS
-@given(st.floats(max_value=0.0) | st.just(-math.inf))
-def test_non_positive_multiplicative_base_is_rejected(base):
+@given(st.floats(max_value=0.0).filter(lambda b: b != 0) | st.just(-math.inf))
+def test_negative_multiplicative_base_is_rejected(base):
     (p,) = _problems(name="lr", base=base, spread=0.1, kind="mul", bounds=(0.0, 10.0))
     assert "base" in p
+
+
+def test_a_multiplicative_base_of_0_is_declared_and_refused_by_the_engine():
+    """0 is a base (weight decay off, which hpx.Forks explores upward from); the engine spreads by
+    ratios of the base, so it refuses it naming why and the fix."""
+    knob = Knob("wd", base=0.0, spread=0.1, kind="mul")
+    assert knob.base == 0.0
+    with pytest.raises(ConfigError, match=r"knob 'wd' has base 0.*every replica would stay at 0: give a base "
+                       r"> 0 \(base=...\), or use hpx.Forks, which explores a knob at 0 upward"):
+        hpx.Engine(torch.nn.Linear(2, 1), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), [knob],
+                   replicas=2)
 
 
 @SETTINGS
@@ -440,8 +451,13 @@ def test_package_exports():
     (dict(base=0.8, spread=0.5, kind="mul", bounds=(0.0, 1.0)), "span [0.4, 1.2], past its bounds [0, 1]"),
     (dict(base=0.6, span=2.0, bounds=(0.0, 1.0)), "span [0.3, 1.2]"),
 ])
-def test_a_declared_spread_past_the_bounds_is_refused(kw, needle):
+def test_a_declared_spread_past_the_bounds_is_refused_by_the_engine(kw, needle):
+    """The knob is accepted as declared (hpx.Forks leaves a side past a bound out); the engine, whose
+    replicas sit on both sides of the base, refuses it naming the span, the bounds and the fix."""
+    knob = Knob("p", **kw)
     with pytest.raises(ConfigError) as err:
-        Knob("p", **kw)
+        hpx.Engine(torch.nn.Linear(2, 1), lambda m: torch.optim.SGD(m.parameters(), lr=0.1), [knob],
+                   replicas=2)
     assert needle in str(err.value)
-    Knob("p", **{**kw, "explore": False})  # a knob that does not explore has no spread to check
+    hpx.Engine(torch.nn.Linear(2, 1), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+               [Knob("p", **{**kw, "explore": False})], replicas=2)  # a fixed knob has no spread to check

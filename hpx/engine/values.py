@@ -39,9 +39,14 @@ class _KnobValues:
         for k in self.knobs:
             try:
                 k.resolve_base(self.replicas[0])
-                for why in k.reach_problems():  # a base read from the replica (a given one was refused)
-                    log.warning("%s (a dropout rate of 0 read from your model, say: half the replicas "
-                                "train at the bound)", why)
+                # refused: a multiplicative base of 0, a declared base whose spread reaches past a bound
+                # (hpx.Forks takes both: it forks upward from 0 and leaves a side past a bound out)
+                refused = k.fan_out_problems(self.replicas[0])
+                problems.extend(refused)
+                if not refused and not k.base_given:  # a base read from the replica: trained on, named
+                    for why in k.reach_problems():
+                        log.warning("%s (a dropout rate of 0 read from your model, say: half the replicas "
+                                    "train at the bound)", why)
                 self._setters.append([k.bind(r) for r in self.replicas])
             except ConfigError as e:
                 problems.extend(e.problems)

@@ -222,11 +222,22 @@ def type_name(obj: Any) -> str | None:
 def knob_values(knob: Knob) -> list[float]:
     """The values a knob's forks take: its base (your value) moved by its spread to each side
     (``base / span`` and ``base * span`` for a geometric spread, ``base * (1 -+ spread)`` for a
-    multiplicative one, ``base -+ spread`` for an additive one). A side outside the knob's bounds
-    is left out, not moved onto the bound (dropout 0.8 with a spread of 0.2 forks at 0.6 only, not
-    at a chance-level 0.99), and so is a side equal to the base."""
+    multiplicative one, ``base -+ spread`` for an additive one), by one rule for every bound:
+
+    * a side past a bound is left out, not moved onto the bound (dropout 0.8 with a spread of 0.2
+      forks at 0.6 only, not at a chance-level 0.99);
+    * a side equal to your value is left out;
+    * so from a value at a bound a knob explores inward only (dropout or label smoothing from 0
+      with a spread of 0.2 forks at 0.2 only; dropout from 0.99 at 0.79 only);
+    * a multiplicative knob at 0 (weight decay off), which no ratio moves, explores upward to its
+      ``from_zero`` (:meth:`~hpx.Knob.from_zero_value`; ``hpx.WeightDecay``: 0.01 for AdamW, 5e-4
+      otherwise, unless given); nothing lies below 0 for it. Without one it has no side
+      (:func:`knob_side_problems` asks for it)."""
     b, w = knob.base, knob.spread
-    if knob.spacing == "log":
+    if knob.kind == "mul" and b == 0:
+        up = knob.from_zero_value()
+        raw = [] if up is None else [up]
+    elif knob.spacing == "log":
         raw = [b * math.exp(-w), b * math.exp(w)]
     elif knob.kind == "mul":
         raw = [b * (1 - w), b * (1 + w)]
@@ -241,11 +252,29 @@ def knob_values(knob: Knob) -> list[float]:
 
 
 def knob_side_problems(knobs: Sequence[Knob]) -> list[str]:
-    """Knobs whose spread puts both sides of your value outside its bounds: no fork to try."""
-    return [f"{k.name}: a spread of {k.spread:g} from your value {k.base:g} puts both sides outside its "
-            f"bounds [{k.low:g}, {k.high:g}], so there is no value to fork at: give a smaller spread (each "
-            "side is your value moved by the spread; a side outside the bounds is left out)"
-            for k in knobs if not knob_values(k)]
+    """Knobs with no value to fork at: a spread that puts both sides of your value outside its
+    bounds, or a multiplicative knob at 0 without a ``from_zero`` (or with one outside its bounds)."""
+    problems = []
+    for k in knobs:
+        if knob_values(k):
+            continue
+        if k.kind == "mul" and k.base == 0:
+            up = k.from_zero_value()
+            if up is None:
+                problems.append(f"{k.name}: your value is 0, and a multiplicative knob cannot move from 0 by "
+                                "a ratio (its span or spread), so its only fork is upward, to a value the "
+                                f"knob does not know: give from_zero=... (e.g. {type(k).__name__}(..., "
+                                "from_zero=0.01)), the value its upper fork takes when your value is 0")
+            else:
+                problems.append(f"{k.name}: your value is 0 and its upper fork would take from_zero={up:g}, "
+                                f"outside its bounds [{k.low:g}, {k.high:g}]: give from_zero=... inside "
+                                "them")
+            continue
+        problems.append(f"{k.name}: a spread of {k.spread:g} from your value {k.base:g} puts both sides "
+                        f"outside its bounds [{k.low:g}, {k.high:g}], so there is no value to fork at: give "
+                        "a smaller spread (each side is your value moved by the spread; a side outside the "
+                        "bounds is left out)")
+    return problems
 
 
 def knobs_problems(knobs: Any, loss_fn: Any = None) -> list[str]:

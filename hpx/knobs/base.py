@@ -16,7 +16,8 @@ slot ``pi(r)``.
   evenly spaced in log space from ``b / span`` to ``b * span``, which can look
   several times further away than a linear spread (``alpha < 1``) ever can;
 * additive knobs (dropout, label smoothing) give ``b + alpha * u_s``, clamped to
-  the knob's bounds;
+  the knob's bounds (the engine refuses a declared spread that would reach past them:
+  :meth:`Knob.fan_out_problems`);
 
 where ``u_s = (s - (N-1)/2) / max((N-1)/2, 0.5)`` lies evenly in ``[-1, 1]`` with
 mean exactly 0, so ``rho`` lies evenly in ``[1-alpha, 1+alpha]`` with mean 1.
@@ -81,12 +82,24 @@ class Knob:
             (``b + alpha * u_s``, for bounded ones).
         bounds: ``(low, high)``; values and the base are kept inside. ``None``: ``(0, inf)``,
             for an additive knob too (give ``bounds=(-math.inf, math.inf)`` for a value that
-            may go negative). A multiplicative knob's values are always positive.
+            may go negative). A multiplicative knob's values are positive; its base may be 0
+            (weight decay off), which :class:`hpx.Forks` explores upward from (``from_zero``) and
+            the HDET :class:`hpx.Engine` refuses (every ratio of 0 is 0). A spread that would
+            reach past a bound is accepted here: :class:`hpx.Forks` leaves that side out, and the
+            engine, whose replicas sit on both sides of the base, refuses it
+            (:meth:`fan_out_problems`).
         explore: ``False`` keeps the knob fixed at its base (no spread, no
             controller updates) while still applying it: useful for ablations.
+        from_zero: the value your knob's upper fork takes when your value is 0 (a multiplicative
+            knob cannot move from 0 by a ratio); used by :class:`hpx.Forks` only, and only for a
+            multiplicative knob (an additive one moves from 0 by its spread). ``None``: the knob's
+            own default where it has one (:class:`~hpx.WeightDecay`), else Forks refuses a
+            multiplicative knob at 0 and asks for it. A number > 0 inside the bounds.
     """
 
     kind: Kind
+    from_zero: float | None = None
+    _base_given = False  # (class defaults: a knob pickled before these existed)
 
     def __init__(
         self,
@@ -98,6 +111,7 @@ class Knob:
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
         span: float | None = None,
+        from_zero: float | None = None,
     ) -> None:
         problems: list[str] = []
         if not isinstance(name, str) or not name:
@@ -130,10 +144,18 @@ class Knob:
             if _is_real(spread) and spread != 0:
                 problems.append(f"give spread or span for {label}, not both (got spread={spread!r}, "
                                 f"span={span!r})")
+        if from_zero is not None:
+            if kind != "mul":
+                problems.append(f"from_zero of {label} is for a multiplicative knob, which cannot move "
+                                "from 0 by a ratio; an additive knob moves from 0 by its spread: leave "
+                                "from_zero out")
+            elif not _is_real(from_zero) or not from_zero > 0 or not low <= from_zero <= high:
+                problems.append(f"from_zero of {label} must be a number > 0 inside its bounds [{low:g}, "
+                                f"{high:g}] (got {from_zero!r}): the value its upper fork takes when your "
+                                "value is 0")
         if base is not None:
+            # a spread past a bound is the engine's to refuse (fan_out_problems): Forks leaves that side out
             problems.extend(_base_problems(label, base, kind, low, high))
-            if not problems and explore:
-                problems.extend(_reach_problems(label, float(base), kind, low, high, spread, span))
         ConfigError.check(problems)
         self.name = name
         self.kind = kind
@@ -143,6 +165,9 @@ class Knob:
         """``alpha``: the half-width in the knob's spacing (``log(span)`` for a geometric spread)."""
         self.low, self.high = low, high
         self.explore = bool(explore)
+        self.from_zero: float | None = None if from_zero is None else float(from_zero)
+        """The value the upper fork takes (:class:`hpx.Forks`) when the base is 0, as given."""
+        self._base_given = base is not None  # declared with its base, not read from the replica
         self._initial_base = None if base is None else float(base)
         self.base: float = math.nan if base is None else float(base)
 
@@ -230,6 +255,33 @@ class Knob:
         return _reach_problems(f"knob {self.name!r}", self.base, self.kind, self.low, self.high,
                                0.0 if self.spacing == "log" else self.spread, self.span)
 
+    @property
+    def base_given(self) -> bool:
+        """Whether the base was declared (``base=...``) rather than read from the replica."""
+        return self._base_given
+
+    def fan_out_problems(self, replica: Replica | None = None) -> list[str]:
+        """Why the HDET engine, whose replicas take values on both sides of the base (``b * rho_s``,
+        ``b + alpha * u_s``), cannot take this knob (after :meth:`resolve_base`): a multiplicative
+        knob that explores from a base of 0 (every ratio of 0 is 0), or a base you declared whose
+        spread reaches past a bound. A base read from the replica past a bound is the engine's to
+        warn about (:meth:`reach_problems`): it trains on with the outer replicas at the bound.
+        :class:`hpx.Forks` takes both: it leaves a side past a bound out, and forks a knob at 0
+        upward to its ``from_zero``."""
+        if self.explore and self.kind == "mul" and self.base == 0:
+            return [self._zero_base_problem(replica)]
+        return self.reach_problems() if self._base_given else []
+
+    def _zero_base_problem(self, replica: Replica | None) -> str:
+        return (f"knob {self.name!r} has base 0, and the engine spreads a multiplicative knob's replicas "
+                f"by ratios of its base (b * rho), so every replica would stay at 0: give a base > 0 "
+                f"(base=...), or use hpx.Forks, which explores a knob at 0 upward (to from_zero=...)")
+
+    def from_zero_value(self) -> float | None:
+        """The value the upper fork of :class:`hpx.Forks` takes when the base is 0: ``from_zero``, or
+        the knob's own default (``None``: none; Forks then refuses the knob at 0)."""
+        return self.from_zero
+
     def values(self, slots: torch.Tensor, base: float | None = None) -> torch.Tensor:
         """Per-replica values for ``slots`` (replica ``r`` takes slot ``slots[r]``).
 
@@ -274,7 +326,8 @@ class Knob:
     def _describe(self) -> str:
         base = "from replica" if self._initial_base is None else f"{self.base:.6g}"
         width = f"span={self.span:g}" if self.spacing == "log" else f"spread={self.spread:g}"
-        return f"name={self.name!r}, base={base}, {width}"
+        zero = "" if self.from_zero is None else f", from_zero={self.from_zero:g}"
+        return f"name={self.name!r}, base={base}, {width}{zero}"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._describe()})"
@@ -289,6 +342,9 @@ class Custom(Knob):
 
         hpx.Custom("temp", get=lambda r: r.model.temp, set=lambda r, v: setattr(r.model, "temp", v),
                    spread=0.2)
+
+    The other arguments (``base``, ``spread``, ``kind``, ``bounds``, ``explore``, ``span``,
+    ``from_zero``) are as for :class:`Knob`.
     """
 
     def __init__(
@@ -303,6 +359,7 @@ class Custom(Knob):
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
         span: float | None = None,
+        from_zero: float | None = None,
     ) -> None:
         problems = []
         if not callable(set):
@@ -313,7 +370,7 @@ class Custom(Knob):
             problems.append(f"knob {name!r} needs base=... or a get= function to read it")
         ConfigError.check(problems)
         super().__init__(name, base=base, spread=spread, kind=kind, bounds=bounds, explore=explore,
-                         span=span)
+                         span=span, from_zero=from_zero)
         self._set, self._get = set, get
 
     def bind(self, replica: Replica) -> Setter:
@@ -337,9 +394,9 @@ def _is_real(x: object) -> bool:
 
 def _reach_problems(label: str, base: float, kind: str, low: float, high: float, spread: float,
                     span: float | None) -> list[str]:
-    """The declared spread must keep the replicas' values inside the bounds: past a bound,
-    several replicas would share the clamped value and the spread would explore less
-    than it says."""
+    """The engine's fan-out: the declared spread must keep the replicas' values inside the bounds:
+    past a bound, several replicas would share the clamped value and the spread would explore less
+    than it says. (:class:`hpx.Forks` leaves a side past a bound out instead.)"""
     if span is not None:
         lo, hi = base / span, base * span
     elif kind == "mul":
@@ -358,8 +415,9 @@ def _reach_problems(label: str, base: float, kind: str, low: float, high: float,
 def _base_problems(label: str, base: object, kind: str, low: float, high: float) -> list[str]:
     if not _is_real(base):
         return [f"base of {label} must be a finite number (got {base!r})"]
-    if kind == "mul" and base <= 0:  # type: ignore[operator]
-        return [f"base of multiplicative {label} must be > 0 (got {base})"]
+    if kind == "mul" and base < 0:  # type: ignore[operator]
+        return [f"base of multiplicative {label} must be > 0, or 0 for hpx.Forks to explore upward from "
+                f"(got {base})"]
     if not low <= base <= high:  # type: ignore[operator]
         return [f"base of {label} must lie in [{low:g}, {high:g}] (got {base})"]
     return []

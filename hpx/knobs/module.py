@@ -42,6 +42,9 @@ class ModuleAttribute(Knob):
         attribute: the attribute's name (``"p"`` for dropout).
         modules: a :data:`ModuleSelector`; ``None`` means every module that is an
             instance of ``default_types``.
+        base, spread, kind, bounds, explore, span, from_zero: as for :class:`~hpx.Knob`
+            (``from_zero``: the value a multiplicative attribute's upper fork takes in
+            :class:`hpx.Forks` when it is 0).
     """
 
     default_types: tuple[type, ...] = ()
@@ -58,13 +61,14 @@ class ModuleAttribute(Knob):
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
         span: float | None = None,
+        from_zero: float | None = None,
     ) -> None:
         if not isinstance(attribute, str) or not attribute.isidentifier():
             raise ConfigError([f"attribute of knob {name!r} must be an identifier (got {attribute!r})"])
         if modules is None and not self.default_types:
             raise ConfigError([f"knob {name!r} needs modules=... (names, a class or a function)"])
         super().__init__(name, base=base, spread=spread, kind=kind, bounds=bounds, explore=explore,
-                         span=span)
+                         span=span, from_zero=from_zero)
         self.attribute = attribute
         self.modules = modules
 
@@ -182,6 +186,7 @@ class AttentionTemperature(ModuleAttribute):
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
         span: float | None = None,
+        from_zero: float | None = None,
     ) -> None:
         super().__init__(name, attribute=attribute, modules=modules, base=base, spread=spread,
-                         kind="mul", bounds=bounds, explore=explore, span=span)
+                         kind="mul", bounds=bounds, explore=explore, span=span, from_zero=from_zero)

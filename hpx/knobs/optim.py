@@ -25,6 +25,10 @@ class GroupKnob(Knob):
 
         torch.optim.AdamW([{"params": body, "name": "body"},
                            {"params": embed, "name": "embed"}], lr=1e-3)
+
+    ``base``, ``spread``, ``span``, ``bounds``, ``explore`` and ``from_zero`` (the value the
+    upper fork of :class:`hpx.Forks` takes when the group's value is 0) are as for
+    :class:`~hpx.Knob`.
     """
 
     key: str = ""
@@ -39,11 +43,12 @@ class GroupKnob(Knob):
         bounds: tuple[float, float] | None = None,
         explore: bool = True,
         span: float | None = None,
+        from_zero: float | None = None,
     ) -> None:
         if not isinstance(group, (int, str)) or isinstance(group, bool):
             raise ConfigError([f"group of knob {name!r} must be an index or a name (got {group!r})"])
         super().__init__(name, base=base, spread=spread, kind="mul", bounds=bounds, explore=explore,
-                         span=span)
+                         span=span, from_zero=from_zero)
         self.group = group
 
     def _index(self, replica: Replica) -> int:
@@ -81,19 +86,19 @@ class GroupKnob(Knob):
     def targets(self, replica: Replica) -> list[str]:
         return [f"{self.key} of parameter group {self._index(replica)}"]
 
-    def resolve_base(self, replica: Replica) -> None:
-        """Fill ``base`` from the group's value if it was not given; a multiplicative knob read as 0
-        (weight decay off on that group) names the groups that have a value."""
-        if self._initial_base is None and self.kind == "mul" and self.read(replica) <= 0:
-            i, groups = self._index(replica), replica.optimizer.param_groups
-            have = [j for j, g in enumerate(groups)
-                    if isinstance(g.get(self.key), (int, float)) and g[self.key] > 0]
-            pick = (f"group={groups[have[0]].get('name', have[0])!r}" if have
-                    else f"a group whose {self.key} is > 0")
-            raise ConfigError([f"knob {self.name!r} reads {self.key}={groups[i][self.key]} from parameter "
-                               f"group {i} (group={self.group!r}), and a multiplicative knob needs a value "
-                               f"> 0 to spread around: give {pick}, or base=..."])
-        super().resolve_base(replica)
+    def _zero_base_problem(self, replica: Replica | None) -> str:
+        """A base of 0 read from the group (weight decay off on it): the groups that have a value."""
+        if replica is None or self._base_given:
+            return super()._zero_base_problem(replica)
+        i, groups = self._index(replica), replica.optimizer.param_groups
+        have = [j for j, g in enumerate(groups)
+                if isinstance(g.get(self.key), (int, float)) and g[self.key] > 0]
+        pick = (f"group={groups[have[0]].get('name', have[0])!r}" if have
+                else f"a group whose {self.key} is > 0")
+        return (f"knob {self.name!r} reads {self.key}={groups[i][self.key]} from parameter group {i} "
+                f"(group={self.group!r}), and the engine spreads a multiplicative knob's replicas by ratios "
+                f"of its base, which needs a value > 0 to spread around: give {pick}, or base=... > 0; or "
+                f"use hpx.Forks, which explores a knob at 0 upward (to from_zero=...)")
 
     def read(self, replica: Replica) -> float:
         value = replica.optimizer.param_groups[self._index(replica)][self.key]
@@ -172,12 +177,42 @@ class LearningRate(GroupKnob):
 
 
 class WeightDecay(GroupKnob):
-    """The weight decay of one parameter group (``group["weight_decay"]``)."""
+    """The weight decay of one parameter group (``group["weight_decay"]``).
+
+    A group without decay (``weight_decay=0``, the usual setting for biases and norms, and
+    SGD's and Adam's default) is explored upward by :class:`hpx.Forks`: the upper fork takes
+    ``from_zero``, and no fork goes below 0. ``from_zero=None`` picks, when the knob is bound:
+    ``0.01`` for ``torch.optim.AdamW`` (or Adam with ``decoupled_weight_decay=True``): decoupled
+    decay, torch's own default for AdamW; ``5e-4`` for any other optimizer: coupled L2 decay,
+    the common default of SGD and Adam recipes. A win writes that value into the group, and a
+    later run from it forks at ``value / span`` and ``value * span`` as usual. The HDET
+    :class:`hpx.Engine` refuses a weight decay of 0 (its replicas spread by ratios of the base).
+
+    Args:
+        from_zero: the value the upper fork takes when the group's weight decay is 0 (a number
+            > 0), or ``None`` for the default above.
+        group, base, spread, span, bounds, explore: as for :class:`GroupKnob`.
+    """
 
     key = "weight_decay"
+    _from_zero_default: float | None = None
 
     def __init__(self, name: str = "weight_decay", **kwargs) -> None:
         super().__init__(name, **kwargs)
+        self._from_zero_default: float | None = None  # from the optimizer (resolve_base)
+
+    def resolve_base(self, replica: Replica) -> None:
+        """Fill ``base`` from the group if it was not given, and pick the default ``from_zero``
+        for this optimizer (decoupled decay or coupled L2)."""
+        group = replica.optimizer.param_groups[self._index(replica)]
+        decoupled = (isinstance(replica.optimizer, torch.optim.AdamW)
+                     or group.get("decoupled_weight_decay") is True)
+        self._from_zero_default = 0.01 if decoupled else 5e-4
+        super().resolve_base(replica)
+
+    def from_zero_value(self) -> float | None:
+        """``from_zero`` as given, else the optimizer's default (``None`` before the knob is bound)."""
+        return self.from_zero if self.from_zero is not None else self._from_zero_default
 
 
 class LearningRateScale(Knob):

@@ -42,6 +42,9 @@ class _Solo:
         self._rep = rep = Replica(0, torch.nn.Module(), optimizer)
         for k in knobs:
             k.resolve_base(rep)
+        # what the engine refuses, refused with one process too (a multiplicative base of 0, a declared
+        # spread past a bound)
+        ConfigError.check([why for k in knobs for why in k.fan_out_problems(rep)])
         self._pairs = [(k, k.bind(rep)) for k in knobs]
         self.step_count = start
         if start:  # resuming torch-style (last_epoch): the decay of the syncs passed

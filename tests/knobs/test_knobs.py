@@ -37,15 +37,18 @@ class Net(nn.Module):
         return self.head(self.drop(self.attn(self.embed(x)))) * self.scale
 
 
-def make_replica() -> hpx.Replica:
-    torch.manual_seed(0)
-    net = Net()
-    opt = torch.optim.AdamW(
+def make_optimizer(net: Net) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
         [{"params": net.embed.parameters(), "name": "embed", "lr": 1e-2, "weight_decay": 0.0},
          {"params": [*net.attn.parameters(), *net.head.parameters()], "name": "body"}],
         lr=3e-3, weight_decay=0.05,
     )
-    return hpx.Replica(0, net, opt)
+
+
+def make_replica() -> hpx.Replica:
+    torch.manual_seed(0)
+    net = Net()
+    return hpx.Replica(0, net, make_optimizer(net))
 
 
 def where(knob: hpx.Knob, rep: hpx.Replica) -> float:
@@ -166,11 +169,18 @@ def test_group_by_name_errors_list_the_names():
         hpx.LearningRate(group=5).bind(rep)
 
 
-def test_zero_weight_decay_group_cannot_be_multiplicative():
+def test_zero_weight_decay_group_is_read_and_refused_by_the_engine():
+    """A group at weight decay 0 is read (hpx.Forks explores it upward, from_zero); the engine,
+    which spreads a multiplicative knob by ratios of its base, refuses it naming the group that has
+    a value and hpx.Forks."""
     rep = make_replica()
+    knob = hpx.WeightDecay(group="embed", spread=0.2)
+    knob.resolve_base(rep)
+    assert knob.base == 0.0 and knob.from_zero_value() == 0.01  # AdamW: decoupled decay's default
     with pytest.raises(hpx.ConfigError, match=r"weight_decay=0.0 from parameter group 0 \(group='embed'\).*"
-                                              r"needs a value > 0 to spread around: give group="):
-        hpx.WeightDecay(group="embed", spread=0.2).resolve_base(rep)
+                                              r"needs a value > 0 to spread around: give group='body'.*"
+                                              r"or use hpx.Forks, which explores a knob at 0 upward"):
+        hpx.Engine(Net(), make_optimizer, [hpx.WeightDecay(group="embed", spread=0.2)], replicas=2)
 
 
 def test_module_selectors():
