@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import hpx
 from benchmarks.lr.prototypes import LOOPS, probe_loss, steps_taken
 from benchmarks.lr.tasks import Task, get_task
+from benchmarks.optuna_route import lr_method
 from hpx.search import Stretch
 
 __all__ = ["METHODS", "Run", "execute", "plain_train"]
@@ -112,7 +113,10 @@ def _forks_2x(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sc
 
 METHODS: dict[str, Callable[..., Any]] = {"autolr": _autolr, "Forks": _forks, "Forks-2x": _forks_2x, **{
     f"deadzone-{tau:g}": _dead_zone(tau) for tau in (0.0, 0.1, 0.2, 0.3)},
-    "sparse-5-1": _sparse(5, 1)}
+    "sparse-5-1": _sparse(5, 1),
+    # the standard tool at hpx.Forks' budget: Optuna's TPE + successive halving over separate trials
+    # of plain training (benchmarks/optuna_route.py; pip install -e ".[bench]")
+    "Optuna": lr_method}
 
 
 def _with_steps(task: Task, steps: int | None) -> Task:
@@ -228,7 +232,7 @@ def _execute(run: Run, probe_chunks: tuple[int, ...], val_halves: bool, units: b
         seconds = time.perf_counter() - t0
         factor = engine.bases.get("lr", 1.0)
         out["end_lr"] = run.lr * factor
-        if isinstance(engine, hpx.Forks):  # its optimizer steps (forks and annealed copies), in runs
+        if hasattr(engine, "fork_steps"):  # hpx.Forks' optimizer steps (forks, copies), the Optuna trials'
             out["steps"] = engine.fork_steps / task.steps
         out["history"] = [{"step": r.step, "lr": r.bases.get("lr"), "phase": r.phase,
                            "points": None if r.points is None else list(r.points),

@@ -1,0 +1,241 @@
+"""The co-exploration suite: the lr and one or two knobs besides it, against a grid of plain runs.
+
+    python -m benchmarks.knobs grid [--jobs 2]           # plain runs on every task's grid
+    python -m benchmarks.knobs eval --method Forks       # the method from each task's starts
+    python -m benchmarks.knobs report --method Forks     # its table into docs/benchmarks.md
+
+Each task (``benchmarks/knobs/tasks.py``) has a grid of plain runs: five peak lrs half a decade
+apart times four values of one knob, or times three values of each of two knobs, 2 seeds per cell
+(``benchmarks/knobs/stored/grid.json``, committed; a grid whose best lr lies at its edge is
+extended by half-decades, twice at most). A method starts from:
+
+* the grid's best cell (bar: within 2% of plain training there);
+* every other cell at the best cell's lr whose plain run is at least 5% worse than the best cell's
+  (a bad knob value; bar: at least 2% better than plain training there, and within 5% of the
+  grid's best).
+
+Values are the mean of the 2 seeds' validation losses. Stores: ``benchmarks/knobs/stored/`` (the
+grid and the reported methods' runs, committed); ``--store runs`` keeps a method's runs in
+``runs/knobs/`` (gitignored) for exploration. Held-out tasks (``HELD_OUT``) are reported apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+from benchmarks.knobs.run import METHODS, key, run
+from benchmarks.knobs.tasks import HELD_OUT, TASKS, CoTask
+
+ROOT = Path(__file__).resolve().parents[2]
+STORED = Path(__file__).with_name("stored")
+RUNS = ROOT / "runs" / "knobs"
+GRID = STORED / "grid.json"
+DOC = ROOT / "docs" / "benchmarks.md"
+SEEDS = (0, 1)
+EXTEND = 2  # half-decades a grid may grow by on a side where its best lr lies
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _save(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(dict(sorted(data.items())), indent=0, sort_keys=True) + "\n")
+    tmp.replace(path)
+
+
+def _execute(runs: list[tuple[str, str, tuple[float, ...], int]], store: dict[str, Any], path: Path,
+             jobs: int) -> None:
+    todo = [r for r in runs if key(*r) not in store]
+    if not todo:
+        return
+    print(f"{len(todo)} runs on {jobs} processes", file=sys.stderr)
+    with ProcessPoolExecutor(jobs) as pool:
+        futures = [pool.submit(run, r) for r in todo]
+        for i, f in enumerate(as_completed(futures), 1):
+            k, res = f.result()
+            store[k] = res
+            print(f"[{i}/{len(todo)}] {k}: val {res['val']} {res['seconds']:.1f}s", file=sys.stderr)
+            if i % 20 == 0:
+                _save(path, store)
+    _save(path, store)
+
+
+# ----------------------------------------------------------------------------- the grid
+
+
+def lrs_of(ct: CoTask, grid: dict[str, Any]) -> list[float]:
+    """The task's grid lrs, with the half-decades it was extended by."""
+    lo, hi = grid.get(f"extend|{ct.name}", [0, 0])
+    return [ct.task.center * 10 ** (k / 2) for k in range(-2 - lo, 3 + hi)]
+
+
+def cells_of(ct: CoTask, grid: dict[str, Any]) -> list[tuple[float, ...]]:
+    out: list[tuple[float, ...]] = [(lr,) for lr in lrs_of(ct, grid)]
+    for _, values in ct.axes:
+        out = [(*c, v) for c in out for v in values]
+    return out
+
+
+def mean_val(store: dict[str, Any], method: str, name: str, cell: tuple[float, ...]) -> float:
+    vals = [store.get(key(method, name, cell, s), {}).get("val", math.nan) for s in SEEDS]
+    return math.nan if any(v is None or math.isnan(v) for v in vals) else statistics.fmean(vals)
+
+
+def best_cell(ct: CoTask, grid: dict[str, Any]) -> tuple[float, tuple[float, ...]]:
+    vals = [(mean_val(grid, "plain", ct.name, c), c) for c in cells_of(ct, grid)]
+    return min((v, c) for v, c in vals if not math.isnan(v))
+
+
+def make_grid(names: list[str], jobs: int) -> dict[str, Any]:
+    grid = _load(GRID)
+    for _ in range(EXTEND + 1):
+        todo = [("plain", n, c, s) for n in names for c in cells_of(TASKS[n], grid) for s in SEEDS]
+        _execute(todo, grid, GRID, jobs)
+        grown = False
+        for n in names:
+            ct = TASKS[n]
+            lrs = lrs_of(ct, grid)
+            _, cell = best_cell(ct, grid)
+            lo, hi = grid.get(f"extend|{n}", [0, 0])
+            if cell[0] == lrs[0] and lo < EXTEND:
+                lo, grown = lo + 1, True
+            elif cell[0] == lrs[-1] and hi < EXTEND:
+                hi, grown = hi + 1, True
+            grid[f"extend|{n}"] = [lo, hi]
+        _save(GRID, grid)
+        if not grown:
+            break
+    return grid
+
+
+# ----------------------------------------------------------------------------- starts and the table
+
+
+def starts(ct: CoTask, grid: dict[str, Any]) -> list[tuple[str, tuple[float, ...]]]:
+    """``("best", the best cell)``, then ``("bad", c)`` for every cell at the best cell's lr whose
+    plain run is at least 5% worse."""
+    best, cell = best_cell(ct, grid)
+    out: list[tuple[str, tuple[float, ...]]] = [("best", cell)]
+    for c in cells_of(ct, grid):
+        if c[0] == cell[0] and c != cell and mean_val(grid, "plain", ct.name, c) >= 1.05 * best:
+            out.append(("bad", c))
+    return out
+
+
+def _shown(cell: tuple[float, ...]) -> str:
+    return ", ".join(f"{v:.3g}" for v in cell)
+
+
+def rows(method: str, store: dict[str, Any], grid: dict[str, Any], held: bool) -> list[dict[str, Any]]:
+    out = []
+    for name, ct in TASKS.items():
+        if (name in HELD_OUT) != held:
+            continue
+        best, _ = best_cell(ct, grid)
+        for kind, cell in starts(ct, grid):
+            plain = mean_val(grid, "plain", name, cell)
+            got = mean_val(store, method, name, cell)
+            runs = [store.get(key(method, name, cell, s)) for s in SEEDS]
+            done = all(r is not None for r in runs)
+            ends = ""
+            if done:
+                lr = math.exp(statistics.fmean(math.log(cell[0] * r["lr_factor"]) for r in runs))
+                ends = ", ".join([f"{lr:.3g}"] + [f"{statistics.fmean(r['values'][k] for r in runs):.3g}"
+                                                  for k in ct.knob_names()])
+            out.append({"task": name, "knobs": " x ".join(ct.knob_names()), "late": ct.late, "start": kind,
+                        "cell": cell, "plain": plain, "got": got, "best": best, "ends": ends, "done": done,
+                        "steps": statistics.fmean(r["steps"] for r in runs) if done else math.nan})
+    return out
+
+
+def table(method: str, store: dict[str, Any], grid: dict[str, Any], held: bool) -> list[str]:
+    out = ["| task | knobs | late | start | cell (lr, knobs) | plain | hpx | hpx / plain | hpx / grid's best "
+           "| ends at | steps / plain |",
+           "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+    for r in rows(method, store, grid, held):
+        if not r["done"]:
+            out.append(f"| {r['task']} | {r['knobs']} | {'yes' if r['late'] else ''} | {r['start']} | "
+                       f"{_shown(r['cell'])} | {r['plain']:.4f} | not run | | | | |")
+            continue
+        out.append(f"| {r['task']} | {r['knobs']} | {'yes' if r['late'] else ''} | {r['start']} | "
+                   f"{_shown(r['cell'])} | {r['plain']:.4f} | {r['got']:.4f} | {r['got'] / r['plain']:.3f} | "
+                   f"{r['got'] / r['best']:.3f} | {r['ends']} | {r['steps']:.2f}x |")
+    return out
+
+
+def summary(method: str, store: dict[str, Any], grid: dict[str, Any]) -> list[str]:
+    """The bar's rows, design and held-out tasks apart."""
+    out = ["| tasks | from the best: within 2% of plain | the largest "
+           "| from a bad value: 2%+ better than plain | ... within 5% of the grid's best "
+           "| steps / plain (median) |",
+           "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for held in (False, True):
+        rs = [r for r in rows(method, store, grid, held) if r["done"]]
+        best = [r["got"] / r["plain"] for r in rs if r["start"] == "best"]
+        bad = [r for r in rs if r["start"] == "bad"]
+        n = len({r["task"] for r in rs})
+        label = f"{'held out' if held else 'design'} ({n})"
+        out.append(f"| {label} | {sum(x <= 1.02 for x in best)} of {len(best)} | "
+                   f"{max(best, default=math.nan):.3f} | "
+                   f"{sum(r['got'] <= 0.98 * r['plain'] for r in bad)} of {len(bad)} | "
+                   f"{sum(r['got'] <= 1.05 * r['best'] for r in bad)} of {len(bad)} | "
+                   f"{statistics.median([r['steps'] for r in rs]) if rs else math.nan:.2f}x |")
+    return out
+
+
+def grid_table(grid: dict[str, Any]) -> list[str]:
+    out = ["| task | held out | knobs | late | lrs | best cell (lr, knobs) | its loss | worst at its lr |",
+           "| --- | --- | --- | --- | --- | --- | ---: | ---: |"]
+    for name, ct in TASKS.items():
+        if not all(key("plain", name, c, s) in grid for c in cells_of(ct, grid) for s in SEEDS):
+            continue
+        best, cell = best_cell(ct, grid)
+        row = [mean_val(grid, "plain", name, c) for c in cells_of(ct, grid) if c[0] == cell[0]]
+        lrs = lrs_of(ct, grid)
+        out.append(f"| {name} | {'yes' if name in HELD_OUT else ''} | {' x '.join(ct.knob_names())} | "
+                   f"{'yes' if ct.late else ''} | {lrs[0]:.3g} .. {lrs[-1]:.3g} | {_shown(cell)} | "
+                   f"{best:.4f} | {max(row) / best:.3f}x |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.knobs", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("grid")
+    g.add_argument("--tasks", nargs="+", default=list(TASKS))
+    g.add_argument("--jobs", type=int, default=2)
+    e = sub.add_parser("eval")
+    e.add_argument("--method", required=True, choices=list(METHODS))
+    e.add_argument("--tasks", nargs="+", default=None)
+    e.add_argument("--held-out", action="store_true", help="the held-out tasks (default: the design tasks)")
+    e.add_argument("--jobs", type=int, default=2)
+    e.add_argument("--store", choices=("stored", "runs"), default="runs")
+    a = p.parse_args(argv)
+    if a.cmd == "grid":
+        grid = make_grid(a.tasks, a.jobs)
+        print("\n".join(grid_table(grid)))
+        return 0
+    grid = _load(GRID)
+    names = a.tasks or [n for n in TASKS if (n in HELD_OUT) == a.held_out]
+    path = (STORED if a.store == "stored" else RUNS) / f"{a.method}.json"
+    store = _load(path)
+    todo = [(a.method, n, cell, s) for n in names for _, cell in starts(TASKS[n], grid) for s in SEEDS]
+    _execute(todo, store, path, a.jobs)
+    for held in (False, True):
+        print(f"\n{'held out' if held else 'design'}:\n" + "\n".join(table(a.method, store, grid, held)))
+    print("\n" + "\n".join(summary(a.method, store, grid)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
