@@ -24,7 +24,9 @@ from hpx.replica import Replica
 from hpx.signals import LossFn, _one_batch_problems
 
 _FORMAT = "hpx.forks/2"
-_SETTINGS = ("total_steps", "multiples", "cuts", "cool", "confidence")
+_SETTINGS = ("total_steps", "multiples", "cuts", "cool", "confidence", "knob_start", "knob_design")
+# what a state saved before a setting existed was built with
+_SETTINGS_BEFORE = {"knob_start": 0.0, "knob_design": "each"}
 
 
 class _Fork:
@@ -546,8 +548,8 @@ def state_problems(state: Any, settings: dict[str, Any], knobs: list[str], model
                                 for c in clones):
         return [f"the state holds {len(forks)} forks (at most {most} here) or an annealed copy whose parent "
                 "is not one of them: give what Forks.state_dict() returned, unchanged"]
-    odd = [f"{k}={state.get(k)!r} (this run has {v!r})" for k, v in settings.items()
-           if _plain(state.get(k)) != _plain(v)]
+    odd = [f"{k}={state.get(k, _SETTINGS_BEFORE.get(k))!r} (this run has {v!r})" for k, v in settings.items()
+           if _plain(state.get(k, _SETTINGS_BEFORE.get(k))) != _plain(v)]
     if odd:
         done = (f" (it ended at step {state.get('step')}, decided: to train on past its end, load the saved "
                 "model, optimizer and scheduler without hpx; they hold the winner at its learning rate)"

@@ -57,13 +57,13 @@ from hpx import _checks
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError
+from hpx.forks.decide import _Decisions
 from hpx.forks.faults import _Faults
 from hpx.forks.fork import (
     _LOST,
     _device,
     _Fork,
     _forward_backward,
-    _ranked,
     _settings_problems,
     _unstepped,
     bind_scalers,
@@ -73,6 +73,7 @@ from hpx.forks.fork import (
     knobs_problems,
     model_params,
 )
+from hpx.forks.late import DESIGNS, knob_settings
 from hpx.forks.misuse import _Guards, _stepped_apart, model_problems, reached
 from hpx.forks.probe import _layout, _Scoring, first_checked, probes_alike, ranks_start_alike
 from hpx.forks.ranks import mean_over_ranks
@@ -100,7 +101,7 @@ CONFIDENCE = 2.0
 
 
 
-class Forks(_Scoring, _Faults, _State, _Guards):
+class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
     """A learning-rate search that trains whole runs at several multiples of your learning rate
     and keeps yours unless another is better with confidence (see the module's docstring).
 
@@ -134,7 +135,14 @@ class Forks(_Scoring, _Faults, _State, _Guards):
         knobs: other knobs to fork, each declared with a spread (``hpx.Dropout(spread=0.2)``,
             ``hpx.WeightDecay(span=10)``, ``hpx.LabelSmoothing(spread=0.1)``): two more forks
             per knob, at your lr, with the knob moved by its spread to each side of your value
-            (a side outside the knob's bounds is left out). A challenger changes the lr or one knob.
+            (a side outside the knob's bounds is left out; a multiplicative knob at 0 forks upward
+            to its ``from_zero``). A challenger changes the lr or one knob.
+        knob_start: the share of the run at which the knob forks branch from your run, each a copy
+            of it as it is then at its knob values, going to the end uncut (``0``: they start with
+            the lr's forks and are cut with them). What regularization buys often shows only late.
+        knob_design: ``"each"``: two forks per knob, one to each side; ``"joint"``: two in all, one
+            moving every knob up, one every knob down. With several challengers at the end, the
+            best must clear ``confidence`` raised for their number (:func:`hpx.forks.late.corrected`).
         backend: the :class:`~hpx.backends.Collective` (default: this process alone); with
             ``hpx.backends.TorchDistributed()`` each fork is data-parallel over the ranks.
         on_sync: a function (or a list of them) called with the :class:`~hpx.SyncRecord` of each
@@ -190,6 +198,8 @@ class Forks(_Scoring, _Faults, _State, _Guards):
         cool: float = COOL,
         confidence: float = CONFIDENCE,
         knobs: Sequence[Knob] = (),
+        knob_start: float = 0.0,
+        knob_design: str = "each",
         backend: Collective | None = None,
         on_sync: Callable[[SyncRecord], Any] | Sequence[Callable[[SyncRecord], Any]] = (),
         share: bool = True,
@@ -214,6 +224,10 @@ class Forks(_Scoring, _Faults, _State, _Guards):
         problems += [f"shard must be a function that shards a model in place, e.g. shard=lambda m: "
                      f"fully_shard(m, mesh=mesh), or None (got {_checks.shown(shard)})" for _ in [0]
                      if shard is not None and not callable(shard)]
+        problems += [f"knob_start must be a share of the run in [0, 1) (got {_checks.shown(knob_start)})"
+                     for _ in [0] if not (isinstance(knob_start, Real) and 0 <= knob_start < 1)]
+        problems += [f"knob_design must be one of {', '.join(map(repr, DESIGNS))} (got "
+                     f"{_checks.shown(knob_design)})" for _ in [0] if knob_design not in DESIGNS]
         ConfigError.check(problems)
         assert isinstance(optimizer, torch.optim.Optimizer)
         self.collective: Collective = backend if backend is not None else default_backend()
@@ -231,7 +245,13 @@ class Forks(_Scoring, _Faults, _State, _Guards):
         ConfigError.check(knob_side_problems(self.knobs))
         bases = {k.name: k.base for k in self.knobs}
         settings = [(m, bases) for m in self.multiples if m != 1.0]
-        settings += [(1.0, {**bases, k.name: v}) for k in self.knobs for v in knob_values(k)]
+        self.knob_start, self.knob_design = float(knob_start), str(knob_design)
+        sides = {k.name: knob_values(k) for k in self.knobs}
+        late = knob_settings(self.knobs, bases, self.knob_design, sides)
+        if self.knob_start == 0:  # the knob forks start with the lr's; else they branch later (_branch)
+            settings, late = settings + [(1.0, v) for v in late], []
+        self._late = late
+        self._late_at = max(1, round(self.knob_start * self.total_steps))
         if self.cuts and self.cuts[0][1] >= 1 + len(settings):
             raise ConfigError([f"the first cut of cuts={list(self.cuts)} keeps {self.cuts[0][1]} of the "
                                f"{1 + len(settings)} forks: give cuts= that keep fewer than there are"])
@@ -488,76 +508,10 @@ class Forks(_Scoring, _Faults, _State, _Guards):
                 self._finish()
             else:
                 self._cut(keep, self._forks)
+        if s == self._late_at and self._late and not self.decided and s < self.total_steps:
+            self._branch()
         if s == self.total_steps and not self.decided:
             self._finish()
-
-    # --- the decisions ----------------------------------------------------------------------
-
-    def _cut(self, keep: int, scored: list[Any]) -> None:
-        """Keep the ``keep`` forks whose ``scored`` stand-ins (themselves or annealed copies) score
-        best on the probe (ties: the nearer to your run), your run always among them."""
-        live = [c for c in scored if c is not _LOST]
-        found = iter(self._scores(live) if live else [])
-        scores = [math.inf if c is _LOST else next(found) for c in scored]
-        if self._agreed(not any(map(math.isfinite, scores))):  # no stand-in is finite: are the forks?
-            self._raise_if_all_lost(self._scores(self._forks))  # then nothing is left to train: say so now
-        order = _ranked(scores, [f.distance(self._bases) for f in self._forks])[:keep]
-        if 0 not in order:
-            order = [*order[: keep - 1], 0]
-        order = [i for i in order if i == 0 or math.isfinite(scores[i])]  # a blown-up challenger goes
-        self._check_probe_loss(scores[0])
-        order, lost = self._agreed((sorted(order), not math.isfinite(scores[0])))
-        if lost:
-            self._forks[0].lost = True  # kept for the final comparison, no longer trained
-        rec = self._record("cut", scores, order)
-        self._forks = [self._forks[i] for i in order]
-        self._notify(rec)  # once the cut is made: a callback that raises leaves it made
-
-    def _finish(self, scored: list[Any] | None = None) -> None:
-        """The final decision: your run, or the best challenger if it wins with confidence (or your
-        run was lost and it was not), judged on ``scored`` (the forks themselves at the run's end;
-        before it, their annealed copies, ``_LOST`` for a lost one); the winner (the fork, not its
-        copy) is loaded into your objects."""
-        stand = list(self._forks) if scored is None else scored
-        live = [c for c in stand if c is not _LOST]
-        found, parts = self._scored(live) if live else ([], [])
-        held = dict(zip(map(id, live), parts))  # the end's test reads this pass when it can
-        scores = [math.inf if c is _LOST else found[live.index(c)] for c in stand]
-        if scored is not None and self._agreed(not any(map(math.isfinite, scores))):
-            scores, parts = self._scored(self._forks)  # no copy is finite: are the forks? (as they are)
-            stand, held = list(self._forks), dict(zip(map(id, self._forks), parts))
-        self._raise_if_all_lost(scores)
-        if stand[0] is self._forks[0] and not self._forks[0].lost:  # a copy's blow-up is no probe error
-            self._check_probe_loss(scores[0])
-        best = _ranked(scores, [f.distance(self._bases) for f in self._forks])[0]
-        gain = math.nan
-        if best != 0 and math.isfinite(scores[0]):
-            initial = self._initial if self._initial is not None else math.nan
-            lost = scores[0] >= initial > scores[best]  # False when the initial score is unknown
-            if not lost and self.confidence > 0:
-                gain = self._gain(stand[best], stand[0], (held.get(id(stand[best])), held.get(id(stand[0]))))
-                if gain < self.confidence:
-                    best = 0
-        best = self._agreed(best)
-        rec = self._record("end", scores, [best], gain)
-        self._adopt(best)
-        self._notify(rec)
-
-    def _adopt(self, i: int) -> None:
-        start = self._forks[0]
-        if i != 0:
-            start.take(self._forks[i], self.knobs)
-        self._forks = [start]
-        self._shared.params, self._shared.buffers = [], []  # one run left: nothing is shared any more
-        self.factor, self.values, self.decided = start.factor, dict(start.values), True
-
-    def _agreed(self, decision: Any) -> Any:
-        """Rank 0's decision on every rank (they score the same weights, but a decision must be one)."""
-        if self.collective.world_size == 1:
-            return decision
-        return self.collective.broadcast_object(decision, 0)
-
-    # --- the probe ---------------------------------------------------------------------------
 
     # --- inspection and the end ---------------------------------------------------------------
 

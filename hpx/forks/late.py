@@ -1,0 +1,57 @@
+"""Knob forks: which values they take, when they branch from your run, and the end's test among
+several finished challengers.
+
+What a knob such as dropout or weight decay buys often shows only late: more regularization trains
+slower early and pays once the model would overfit, so a cut early in the run drops it. Knob forks
+may therefore branch from your run later in the run (``knob_start``, a share of the run) and go
+to the end uncut, where finished runs are compared: a fork that wins is a run that ended better.
+
+The end's test compares your run with the best of the challengers still running. With several of
+them the best is the luckiest as well as the best (a winner's curse on the probe that chose it),
+so the confidence it must clear is raised for the number of challengers compared (Bonferroni's
+correction of the one-sided level ``confidence`` stands for).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from statistics import NormalDist
+
+from hpx.knobs.base import Knob
+
+__all__ = ["DESIGNS", "corrected", "knob_settings"]
+
+DESIGNS = ("each", "joint")
+
+
+def knob_settings(knobs: Sequence[Knob], bases: dict[str, float], design: str,
+                  sides: dict[str, list[float]]) -> list[dict[str, float]]:
+    """The knob forks' values (every knob's value in each fork), your values ``bases`` moved:
+
+    * ``"each"``: two forks per knob, each moving that knob alone to one side (``sides[name]``: the
+      sides inside its bounds, lower first when both are);
+    * ``"joint"``: two forks in all, one moving every knob to its upper side, one to its lower side
+      (a knob with no side there stays at your value), so a winner may move several knobs at once.
+    """
+    if design == "each":
+        return [{**bases, k.name: v} for k in knobs for v in sides[k.name]]
+    out: list[dict[str, float]] = []
+    for up in (True, False):
+        moved = dict(bases)
+        for k in knobs:
+            side = [v for v in sides[k.name] if (v > bases[k.name]) == up]
+            if side:
+                moved[k.name] = side[0]
+        if moved != bases and moved not in out:
+            out.append(moved)
+    return out
+
+
+def corrected(confidence: float, challengers: int) -> float:
+    """The standard errors the best of ``challengers`` must clear: ``confidence`` is the one-sided
+    level for one challenger (``2``: 2.3%); for ``m`` the level is divided by ``m``."""
+    if challengers <= 1 or confidence <= 0:
+        return confidence
+    p = 1.0 - NormalDist().cdf(confidence)
+    return NormalDist().inv_cdf(1.0 - p / challengers) if p > 0 else math.inf

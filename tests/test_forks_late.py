@@ -1,0 +1,164 @@
+"""Knob forks branched late from your run (``knob_start``), the joint design, and the end's test
+among several finished challengers (``hpx.forks.late``)."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import hpx
+from hpx.forks.late import corrected, knob_settings
+from tests.test_forks import BATCHES, PROBE, _adamw_onecycle, _loss, _net, _plain, _same
+
+pytestmark = pytest.mark.quick
+
+
+def _dropouts(model: nn.Module) -> list[float]:
+    return [m.p for m in model.modules() if isinstance(m, nn.Dropout)]
+
+
+def test_corrected_confidence_is_bonferroni_on_the_one_sided_level():
+    assert corrected(2.0, 1) == 2.0 and corrected(0.0, 5) == 0.0
+    assert corrected(2.0, 3) == pytest.approx(2.428, abs=1e-3)  # 2.28% / 3 one-sided
+    assert corrected(2.0, 2) < corrected(2.0, 3) < corrected(2.0, 6)
+
+
+def test_joint_design_moves_every_knob_to_one_side():
+    a, b = hpx.Dropout(spread=0.2, base=0.3), hpx.LabelSmoothing(spread=0.1, base=0.0)
+    sides = {"dropout": [0.1, 0.5], "label_smoothing": [0.1]}
+    bases = {"dropout": 0.3, "label_smoothing": 0.0}
+    assert knob_settings([a, b], bases, "joint", sides) == [
+        {"dropout": 0.5, "label_smoothing": 0.1}, {"dropout": 0.1, "label_smoothing": 0.0}]
+    assert knob_settings([a, b], bases, "each", sides) == [
+        {"dropout": 0.1, "label_smoothing": 0.0}, {"dropout": 0.5, "label_smoothing": 0.0},
+        {"dropout": 0.3, "label_smoothing": 0.1}]
+
+
+def test_knob_forks_branch_from_your_run_at_knob_start_and_are_not_cut():
+    """knob_start=0.5 on 30 steps: the lr forks alone until step 15, then two dropout forks that
+    hold your run's weights at step 15 with their own rates, at your multiple; the cuts before them
+    (10% and 25%) leave them alone, and every fork trained after the branch reaches the end."""
+    model = _net(p=0.2)
+    opt, sched = _adamw_onecycle(model, 0.01)
+    torch.manual_seed(5)
+    forks = hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE, confidence=1e9,
+                      knobs=[hpx.Dropout(spread=0.1)], knob_start=0.5)
+    for b in BATCHES[:14]:
+        forks.step(_loss, b)
+    assert len(forks.factors) == 2 and all(_dropouts(f.model) == [0.2] for f in forks._forks)
+    forks.step(_loss, BATCHES[14])
+    assert len(forks._forks) == 4
+    mine, low, high = forks._forks[0], forks._forks[2], forks._forks[3]
+    assert [_dropouts(low.model), _dropouts(high.model)] == [[pytest.approx(0.1)], [pytest.approx(0.3)]]
+    assert low.factor == high.factor == 1.0 and _same(mine.model, low.model)
+    for b in BATCHES[15:30]:
+        forks.step(_loss, b)
+    end = forks.history[-1]
+    assert end.phase == "end" and len(end.scores) == 4 and all(math.isfinite(s) for s in end.scores)
+
+
+def test_a_branched_fork_is_plain_training_that_switched_its_rate_at_the_branch():
+    """The high-dropout fork (confidence 0, so the best scorer wins) equals plain training at p=0.2
+    for 10 steps, then at p=0.4, from the same random stream."""
+    model = _net(p=0.2)
+    torch.manual_seed(11)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), total_steps=20,
+                      probe=PROBE, multiples=(1.0,), cuts=(), confidence=0, knob_start=0.5,
+                      knobs=[hpx.Dropout(spread=0.2)])
+    for b in BATCHES[:20]:
+        forks.step(_loss, b)
+    end = forks.history[-1]
+    p = end.values["dropout"][end.scores.index(min(end.scores))]
+    ref = _net(p=0.2)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    torch.manual_seed(11)
+    _plain(ref, ref_opt, None, BATCHES[:10])
+    for m in ref.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = p
+    _plain(ref, ref_opt, None, BATCHES[10:20])
+    assert forks.bases["dropout"] == p and _dropouts(model) == [p]
+    assert _same(model, ref)
+
+
+def test_several_finished_challengers_face_a_corrected_bar(monkeypatch):
+    """The fork at 3x ranked best and a gain of 2.2 standard errors (above 2, below the 2.428 that
+    three challengers must clear): with two dropout forks beside it your run is kept; alone, the
+    same gain passes and the run ends at 3x."""
+    import hpx.forks.decide as decide
+
+    monkeypatch.setattr(decide, "_ranked", lambda scores, distances: [1, *range(2, len(scores)), 0])
+
+    def run(knobs):
+        model = _net(p=0.2)
+        torch.manual_seed(3)
+        forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                          total_steps=20, probe=PROBE, multiples=(1.0, 3.0), cuts=(), knobs=knobs,
+                          knob_start=0.5)
+        monkeypatch.setattr(forks, "_gain", lambda *a: 2.2)
+        for b in BATCHES[:20]:
+            forks.step(_loss, b)
+        return forks
+
+    three, one = run([hpx.Dropout(spread=0.1)]), run([])
+    assert len(three.history[-1].scores) == 4 and len(one.history[-1].scores) == 2
+    assert three.bases == {"lr": 1.0, "dropout": 0.2}
+    assert one.bases == {"lr": 3.0}
+
+
+def test_resume_after_the_branch_is_bit_for_bit():
+    def build():
+        model = _net()
+        opt, sched = _adamw_onecycle(model, 0.01)
+        return model, hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE,
+                                knobs=[hpx.Dropout(spread=0.1)], knob_start=0.4, knob_design="joint")
+
+    torch.manual_seed(5)
+    model, forks = build()
+    for b in BATCHES[:20]:
+        forks.step(_loss, b)
+    assert len(forks._forks) == 4  # your run, the lr challenger, two dropout forks (branched at 12)
+    buf = io.BytesIO()
+    torch.save({"forks": forks.state_dict(), "rng": torch.random.get_rng_state()}, buf)
+    for b in BATCHES[20:30]:
+        forks.step(_loss, b)
+    model2, forks2 = build()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    forks2.load_state_dict(saved["forks"])
+    torch.random.set_rng_state(saved["rng"])
+    for b in BATCHES[20:30]:
+        forks2.step(_loss, b)
+    assert _same(model, model2) and forks.bases == forks2.bases
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, "half"])
+def test_a_bad_knob_start_is_refused(bad):
+    model = _net()
+    with pytest.raises(hpx.ConfigError, match=r"knob_start must be a share of the run in \[0, 1\)"):
+        hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE,
+                  knobs=[hpx.Dropout(spread=0.1)], knob_start=bad)
+
+
+def test_a_bad_knob_design_is_refused():
+    model = _net()
+    with pytest.raises(hpx.ConfigError, match="knob_design must be one of 'each', 'joint'"):
+        hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE,
+                  knobs=[hpx.Dropout(spread=0.1)], knob_design="grid")
+
+
+def test_a_state_saved_with_another_knob_start_is_refused():
+    def build(start):
+        model = _net()
+        return hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE,
+                         knobs=[hpx.Dropout(spread=0.1)], knob_start=start)
+
+    state = build(0.5).state_dict()
+    with pytest.raises(hpx.ConfigError, match=r"knob_start=0.5 \(this run has 0.0\)"):
+        build(0.0).load_state_dict(state)
+    old = {k: v for k, v in build(0.0).state_dict().items() if k not in ("knob_start", "knob_design")}
+    build(0.0).load_state_dict(old)  # a state saved before the setting existed: built at its default
