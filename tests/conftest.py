@@ -11,8 +11,8 @@ torch.set_num_threads(1)  # small models on a 2-core machine: threads cost more 
 # process (hpx.Forks deciding, its winner as plain training, resume, refused mistakes; checkpoints;
 # the drop-in schedulers; the README's snippet). Every test of these files but those marked
 # ``procs`` (they start other processes: gloo ranks, torchrun). The full suite stays CI's.
-QUICK = ("test_forks.py", "test_forks_setups.py", "test_forks_final.py", "test_checkpoint.py",
-         "test_schedule.py", "test_readme_use.py", "test_public_names.py")
+QUICK = ("test_forks.py", "test_forks_setups.py", "test_forks_early_step.py", "test_forks_final.py",
+         "test_checkpoint.py", "test_schedule.py", "test_readme_use.py", "test_public_names.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

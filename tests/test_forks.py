@@ -1014,7 +1014,10 @@ def test_a_refused_first_step_binds_no_probe_loss():
 def test_a_backward_that_fails_leaves_no_gradient_behind():
     """A loss that raises for one fork (an out-of-memory error you catch to skip the batch): the forks
     that took the batch's backward before it must not carry its gradient into the next step, so
-    your run is plain training that skipped the batch."""
+    your run is plain training that skipped the batch. A loop that skips batches calls backward()
+    then optimizer_step(), which step no fork before every backward is done; forks.step() steps each
+    fork after its own backward, so there a failure after a fork stepped stops the run
+    (tests/test_forks_early_step.py)."""
     calls = {"n": 0}
 
     def flaky(rep, b):
@@ -1028,9 +1031,11 @@ def test_a_backward_that_fails_leaves_no_gradient_behind():
                       probe=PROBE, loss_fn=_loss, confidence=1e9)
     for i, b in enumerate(BATCHES[:20]):
         try:
-            forks.step(flaky, b)
+            forks.backward(flaky, b)
         except RuntimeError:
             assert i == 1
+            continue
+        forks.optimizer_step()
     ref = _net(p=0.0)
     _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.01, momentum=0.9), None, BATCHES[:1] + BATCHES[2:20])
     assert forks.step_count == 19 and _same(model, ref)

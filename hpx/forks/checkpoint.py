@@ -12,7 +12,10 @@ from hpx.history import _fork_label
 
 
 def unsaveable(forks: Any) -> str | None:
-    """The warning when this step must not be saved (:func:`_unsound_forks`), else ``None``."""
+    """The warning when this step must not be saved (:func:`_unsound_forks`; in one process, a run
+    left part changed by a ``forks.step()`` or ``each()`` that failed part way), else ``None``."""
+    if forks._half is not None and forks.collective.world_size == 1:
+        return f"step {forks.step_count} not saved: {forks._half}"
     blown = _unsound_forks(forks)
     if not blown:
         return None

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hpx.averaging import local
-from hpx.errors import ConsistencyError, NonFiniteError
+from hpx.errors import ConfigError, ConsistencyError, NonFiniteError
 from hpx.forks.fork import _device
 from hpx.forks.misuse import _label
 from hpx.forks.probe import group_numbers
@@ -39,6 +39,7 @@ class _Faults:
     _crossed: Any
     _sharder: Any
     _apart: Any
+    _half: str | None
     collective: Any
     step_count: int
 
@@ -233,7 +234,10 @@ class _Faults:
     def _check_ranks(self, when: str) -> None:
         """Before a decision or ``converge()``: every rank at the same step (:meth:`_check_aligned`),
         no rank trained apart (:meth:`_check_apart`), nothing the forks hold alike written on your
-        model alone (:meth:`_check_held`); each raises on every rank alike."""
+        model alone (:meth:`_check_held`); each raises on every rank alike. In one process, a run
+        left part changed (``forks.step()`` or ``each()`` failing part way) is refused first."""
+        if self._half is not None and self.collective.world_size == 1:
+            raise ConfigError([self._half])
         self._check_aligned(when)
         self._check_apart(when)
         self._check_held(when)

@@ -30,8 +30,10 @@ copies: about 3x plain training's). Memory: what a fork trains is its own (train
 their gradients, its optimizer state); what no step writes is held once for all forks and copies
 (frozen parameters, and the buffers the first step left unwritten: ``share=True``), so a frozen
 base under a small head costs about one model. The peak is at the first cut's window: five forks
-and four annealed copies. Why this design: ``docs/method.md`` ("``hpx.Forks``: the confident end
-in hpx"); the peak as measured: ``docs/benchmarks.md`` (``python -m benchmarks.forks_memory``).
+and four annealed copies, and in one process one fork's gradients (``step`` frees each fork's
+right after its optimizer step: ``hpx.forks.early``). Why this design: ``docs/method.md``
+("``hpx.Forks``: the confident end in hpx"); the peak as measured: ``docs/benchmarks.md``
+(``python -m benchmarks.forks_memory``).
 
 Under torch.distributed every rank trains every fork on its part of the batch, each fork's
 gradients averaged over the ranks (one all-reduce per dtype per step): data-parallel training.
@@ -58,6 +60,7 @@ from hpx.backends import default_backend
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError
 from hpx.forks.decide import _Decisions
+from hpx.forks.early import early_path, train_each
 from hpx.forks.faults import _Faults
 from hpx.forks.fork import (
     _LOST,
@@ -313,10 +316,17 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
 
     def step(self, loss_fn: LossFn, batch: Any) -> torch.Tensor:
         """One optimizer step of every fork on the whole ``batch``: :meth:`backward`, then
-        :meth:`optimizer_step`. Returns the forks' losses (``[F]``, on device, in
-        :attr:`factors` order: your run's first)."""
-        losses = self.backward(loss_fn, batch)
-        self.optimizer_step()
+        :meth:`optimizer_step`, bit for bit. Returns the forks' losses (``[F]``, on device, in
+        :attr:`factors` order: your run's first). In one process, past the first step, each fork
+        is stepped right after its own backward and its gradients freed (``.grad`` is ``None`` after
+        it): one fork's gradients alive at a time. A fork that fails after others stepped stops
+        the run (:mod:`hpx.forks.early`: to skip failing batches, call backward, optimizer_step)."""
+        if not early_path(self):
+            losses = self.backward(loss_fn, batch)
+            self.optimizer_step()
+            return losses
+        losses = self._backward(loss_fn, batch, 1.0, None, early=True)
+        self._stepped(self._trained())
         return losses
 
     def backward(self, loss_fn: LossFn, batch: Any, *, scale: float = 1.0,
@@ -326,6 +336,11 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
         accumulate, with ``scale = 1 / k``; ``scaler``: a ``torch.amp.GradScaler``). Returns the
         forks' unscaled losses, as :meth:`step` (``nan`` for your run once it is lost: no longer
         trained)."""
+        return self._backward(loss_fn, batch, scale, scaler)
+
+    def _backward(self, loss_fn: LossFn, batch: Any, scale: float, scaler: Any, early: bool = False,
+                  ) -> torch.Tensor:
+        """:meth:`backward`; ``early``: each fork's optimizer step too (:func:`train_each`)."""
         _checks.check(_checks.loss_fn_problems(loss_fn, batch) + _checks.scale_problems(scale, scaler)
                       + _checks.batch_problems(batch, None))
         self._scaled = scaler is not None  # optimizer_step must be given it too
@@ -334,14 +349,18 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
             self._probe_fn = loss_fn
         try:
             trained = self._open()
-            bind_scalers(self._forks[0], trained, scaler)
-            calls = [lambda f=f: _forward_backward(f, loss_fn, batch, scale,
-                                                   None if scaler is None else f.scaler) for f in trained]
-            before = _layout(batch) if self.step_count == 0 else None  # the first step checks loss_fn
-            found = first_checked(lambda: common_draws(_device(self._forks[0].model), calls, self._streams),
-                                  before, batch, trained, self._forks[0])
-            if before is None:  # past the first step: a loss_fn that switched to your model object
-                ConfigError.check(reached(trained, self._forks[0]))
+            if early:  # past the first step, one process: each fork checked and stepped after its backward
+                found = train_each(self, trained, loss_fn, batch)
+            else:
+                bind_scalers(self._forks[0], trained, scaler)
+                calls = [lambda f=f: _forward_backward(f, loss_fn, batch, scale,
+                                                       None if scaler is None else f.scaler) for f in trained]
+                before = _layout(batch) if self.step_count == 0 else None  # the first step checks loss_fn
+                device = _device(self._forks[0].model)
+                found = first_checked(lambda: common_draws(device, calls, self._streams), before, batch,
+                                      trained, self._forks[0])
+                if before is None:  # past the first step: a loss_fn that switched to your model object
+                    ConfigError.check(reached(trained, self._forks[0]))
         except BaseException:
             self._fresh = True  # a failed backward (an OOM you skip) leaves no gradient behind
             if bound:  # a refused first step binds nothing: the corrected loop's loss scores the probe
@@ -393,13 +412,17 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
             self._step_one(f, None if scaler is None else f.scaler)
         for f in trained if scaler is not None else ():
             f.scaler.update()
+        self._stepped(trained)
+        return norms
+
+    def _stepped(self, trained: list[_Fork]) -> None:
+        """After every fork's optimizer step: what the step left, counted; a cut or decision due."""
         if self.step_count == 0:  # the buffers the first step left unwritten are held once from now on
             self._shared.share_buffers([f.model for f in self._forks])
         self._shared.settle()  # share=False: what a step writes is each fork's own (host reads only)
         self.fork_steps += len(trained) + self._outside  # a framework's step of your run counts too
         self._stash_losses()
         self._advance()
-        return norms
 
     def _open(self) -> list[_Fork]:
         """The forks a backward trains, their gradients cleared at an optimizer step's first
@@ -499,7 +522,8 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
                 n = 1 + max(f.replica.index for f in self._forks)  # indices no fork trained now has
                 # your run is kept by a cut to 2 or more whatever its score, so it needs no copy there
                 # (the peak holds one copy fewer); the final decision compares it with a challenger
-                self._parents = [i for i, f in enumerate(self._forks) if (i > 0 or keep == 1) and not f.lost]
+                self._parents = [i for i, f in enumerate(self._forks)  # late knob forks: kept, no copy
+                                 if (i > 0 or keep == 1) and not f.lost and (keep == 1 or not f.late)]
                 memo = self._shared.memo()
                 self._clones = [self._forks[i].copied(n + j, ramp=(s, k), shared=memo, sharder=self._sharder)
                                 for j, i in enumerate(self._parents)]

@@ -1,0 +1,146 @@
+"""``Forks.step`` in one process: each fork's optimizer step taken right after its own backward, its
+gradients then freed, so one fork's gradients are alive at a time instead of every fork's and
+annealed copy's (nine at the first cut's window).
+
+It is the same run, bit for bit, as :meth:`hpx.Forks.backward` then :meth:`hpx.Forks.optimizer_step`:
+each fork's update reads only its own gradients, and the random streams are replayed as they were
+(every fork's forward from the streams as they were before your run's, :func:`hpx.forks.fork.common_draws`;
+the optimizer steps, in the forks' order, from the stream as your run's forward left it, as if every
+step came after every backward; the streams then left as the last step left them).
+
+Where it is not used (``forks.step`` takes :meth:`~hpx.Forks.backward` then
+:meth:`~hpx.Forks.optimizer_step`): the first step, whose checks of ``loss_fn`` (a batch it changes in
+place, a loss computed with your model object) refuse it before anything changes and so need every
+fork's backward first; under torch.distributed or ``shard=`` (each fork's gradients are reduced over
+the ranks after every backward); after a :meth:`~hpx.Forks.backward` of your own (accumulation). A
+``GradScaler`` or ``max_grad_norm`` are given to ``optimizer_step`` only, so a loop using them takes
+that path too.
+
+A failure part way, exact where it can be:
+
+* The forks' steps wait until the first fork other than your run has passed its backward and its check
+  that its loss reached its own parameters (a ``loss_fn`` that switched to your model object past the
+  first step). A failure up to there (an out-of-memory batch, which fails where memory is highest:
+  your run's and that fork's gradients are then both alive, the only moment two are) leaves nothing
+  stepped and no gradient behind, as before: a loop that catches it and skips the batch is plain
+  training that skipped it.
+* A failure after some forks stepped (an error that only a later fork's backward meets, an interrupt)
+  leaves the forks at different steps, which nothing cheap can undo (that would take a copy of every
+  fork's weights and optimizer state, more than the gradients this saves). The run is then stopped:
+  a :class:`~hpx.ConfigError` names the step, the fork that failed and the forks that had stepped
+  (a ``KeyboardInterrupt`` is raised as it is, with that note), and every later step, ``converge()``
+  and ``save_checkpoint`` refuse it until ``load_checkpoint`` restores a saved step. A loop that skips
+  failing batches at any fork calls ``backward`` then ``optimizer_step``, which step no fork before
+  every fork's backward is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hpx.errors import ConfigError
+from hpx.forks.fork import _device, _Fork, _forward_backward, _moved, _rng_get, _rng_set
+from hpx.forks.misuse import _label, reached
+from hpx.signals import LossFn
+
+
+def early_path(forks: Any) -> bool:
+    """Whether ``forks.step`` steps each fork right after its own backward (see the module's docstring)."""
+    return (forks._fresh and forks.step_count > 0 and forks.collective.world_size == 1
+            and forks._sharder is None)
+
+
+def train_each(forks: Any, trained: list[_Fork], loss_fn: LossFn, batch: Any) -> list[torch.Tensor]:
+    """Every fork of ``trained`` (``forks._open()``'s) forward, backward and optimizer step, its
+    gradients freed after its step; returns their losses (detached, in ``trained``'s order)."""
+    start = forks._forks[0]
+    hold = next((i for i, f in enumerate(trained) if f is not start), len(trained))
+    stepped: list[_Fork] = []
+    at: list[_Fork] = []  # the fork whose backward or step runs now
+
+    def call(f: _Fork) -> torch.Tensor:
+        at[:] = [f]
+        loss = _forward_backward(f, loss_fn, batch, 1.0, None)
+        if f is not start:  # a loss that reached none of its parameters (your model object's, instead)
+            ConfigError.check(reached([f], start))
+        return loss
+
+    def step(f: _Fork) -> None:
+        at[:] = [f]
+        forks._step_one(f, None)
+        stepped.append(f)
+        f.optimizer.zero_grad(set_to_none=True)
+        if forks._zero_model:
+            f.model.zero_grad(set_to_none=True)
+
+    forks._note_applied(trained)  # (under torch.distributed only, where this path is not taken)
+    try:
+        return stepped_draws(_device(start.model), [lambda f=f: call(f) for f in trained],
+                             [lambda f=f: step(f) for f in trained], hold, forks._streams)
+    except BaseException as e:
+        for f in trained:  # what the forks that ran took is freed now (an out-of-memory error's loop)
+            f.optimizer.zero_grad(set_to_none=True)
+            if forks._zero_model:
+                f.model.zero_grad(set_to_none=True)
+        if not stepped:  # nothing stepped: as a failed backward(), the batch skipped
+            raise
+        failed = at[0] if at else trained[len(stepped)]
+        names = [_label(forks, f) for f in stepped]
+        done = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        forks._half = (f"forks.step() failed at step {forks.step_count + 1} on {_label(forks, failed)} "
+                       f"({type(e).__name__}: {e}) after {done} had taken that step's optimizer step: "
+                       "forks.step() steps each fork right after its own backward (one fork's gradients "
+                       "held at a time), so the forks are now at different steps and this run cannot go on. "
+                       "Resume from your last checkpoint (hpx.load_checkpoint); a loop that skips a batch "
+                       "that fails (an out-of-memory error it catches) calls forks.backward(loss_fn, batch) "
+                       "then forks.optimizer_step(), which step no fork before every fork's backward is done")
+        if not isinstance(e, Exception):  # an interrupt stays one
+            e.add_note(f"hpx: {forks._half}")
+            raise
+        raise ConfigError([forks._half]) from e
+
+
+def stepped_draws(device: torch.device, calls: Sequence[Callable[[], Any]],
+                  steps: Sequence[Callable[[], Any]], hold: int,
+                  others: list[bool | None] | None = None) -> list[Any]:
+    """Every call's result, each call made from the global random streams as they were before the
+    first (as :func:`hpx.forks.fork.common_draws`), and ``steps[i]()`` right after ``calls[i]()`` but
+    for the steps up to ``hold``, which wait until ``calls[hold]()`` is done. The steps draw, in order,
+    from the streams as the first call left them, and the streams are left as the last step left them:
+    every stream as it is when every call is made first and every step after."""
+    n = len(calls)
+    if n < 2:
+        out = [c() for c in calls]
+        for s in steps:
+            s()
+        return out
+    full = others is None or others[0] is not False
+    before = _rng_get(device, full)
+    stream = None  # the steps' streams: the first call's, then each step's
+    done, out = 0, []
+    try:
+        for i, c in enumerate(calls):
+            if i:
+                _rng_set(before, device)
+            out.append(c())
+            if i == 0:
+                stream = _rng_get(device, full)
+                if others is not None and others[0] is None:  # a resumed run's first step here
+                    others[0] = full = _moved(before, stream)
+                    if not full:
+                        before = {k: v for k, v in before.items() if k in ("cpu", "cuda")}
+                        stream = {k: v for k, v in stream.items() if k in ("cpu", "cuda")}
+            if i >= hold:
+                if i:
+                    _rng_set(stream, device)
+                while done <= i:
+                    steps[done]()
+                    done += 1
+                stream = _rng_get(device, full)
+    finally:
+        if stream is not None:
+            _rng_set(stream, device)
+    return out
