@@ -162,3 +162,23 @@ def test_a_state_saved_with_another_knob_start_is_refused():
         build(0.0).load_state_dict(state)
     old = {k: v for k, v in build(0.0).state_dict().items() if k not in ("knob_start", "knob_design")}
     build(0.0).load_state_dict(old)  # a state saved before the setting existed: built at its default
+
+
+def test_knob_forks_branched_before_a_cut_are_kept_by_it_without_annealed_copies():
+    """knob_start=0.1 on 30 steps: the dropout forks branch at step 3, and the cuts at 10% and 25%
+    (decided on annealed copies of the lr challengers only) keep them; all four finish."""
+    model = _net(p=0.2)
+    opt, sched = _adamw_onecycle(model, 0.01)
+    torch.manual_seed(5)
+    forks = hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE, confidence=1e9,
+                      knobs=[hpx.Dropout(spread=0.1)], knob_start=0.1)
+    copies = []
+    for b in BATCHES[:30]:
+        forks.step(_loss, b)
+        copies.append(len(forks._clones))
+    assert max(copies) == 4  # the first cut's: the lr challengers', none of the knob forks'
+    cuts = [r for r in forks.history if r.phase == "cut"]
+    assert len(cuts) == 2 and [round(v, 3) for v in cuts[-1].values["dropout"]][-2:] == [0.1, 0.3]
+    end = forks.history[-1]
+    assert len(end.scores) == 4
+    assert sorted(round(v, 3) for v in end.values["dropout"]) == [0.1, 0.2, 0.2, 0.3]

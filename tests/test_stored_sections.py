@@ -30,6 +30,7 @@ from benchmarks import (
     scaling,
     vmap_probe,
 )
+from benchmarks.knobs import __main__ as knobs_suite
 from benchmarks.lr import __main__ as suite
 from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize, warmup
 from benchmarks.lr.tasks import TASKS
@@ -112,6 +113,17 @@ def test_the_coexplore_sections_tables_are_its_committed_store_read(route):
     shown = coexplore.tables_in(committed("coexplore"))[route]
     store = json.loads(bar.COEXPLORE.read_text())
     assert shown == "\n".join(coexplore.table(store, suite._load(suite.GRIDS), coexplore.ROUTES[route]))
+
+
+def test_the_knobs_suites_section_is_its_committed_stores_read():
+    """The co-exploration suite's section (``python -m benchmarks.knobs report``) from its grid and
+    each reported method's committed runs."""
+    if f"<!-- {knobs_suite.MARKER} -->" not in DOC.read_text():
+        pytest.skip("the co-exploration suite's section is not written yet (`python -m benchmarks.knobs "
+                    "report`)")
+    stores = {m: knobs_suite._load(knobs_suite.STORED / f"{m}.json") for m in knobs_suite.REPORTED}
+    grid = knobs_suite._load(knobs_suite.GRID)
+    assert committed(knobs_suite.MARKER) == "\n" + knobs_suite.section(grid, stores)
 
 
 def test_the_cost_section_is_its_committed_store_read():

@@ -136,10 +136,15 @@ def _shown(cell: tuple[float, ...]) -> str:
     return ", ".join(f"{v:.3g}" for v in cell)
 
 
+def gridded(ct: CoTask, grid: dict[str, Any]) -> bool:
+    """Whether every cell of the task's grid has both seeds' runs."""
+    return all(key("plain", ct.name, c, s) in grid for c in cells_of(ct, grid) for s in SEEDS)
+
+
 def rows(method: str, store: dict[str, Any], grid: dict[str, Any], held: bool) -> list[dict[str, Any]]:
     out = []
     for name, ct in TASKS.items():
-        if (name in HELD_OUT) != held:
+        if (name in HELD_OUT) != held or not gridded(ct, grid):
             continue
         best, _ = best_cell(ct, grid)
         for kind, cell in starts(ct, grid):
@@ -197,7 +202,7 @@ def grid_table(grid: dict[str, Any]) -> list[str]:
     out = ["| task | held out | knobs | late | lrs | best cell (lr, knobs) | its loss | worst at its lr |",
            "| --- | --- | --- | --- | --- | --- | ---: | ---: |"]
     for name, ct in TASKS.items():
-        if not all(key("plain", name, c, s) in grid for c in cells_of(ct, grid) for s in SEEDS):
+        if not gridded(ct, grid):
             continue
         best, cell = best_cell(ct, grid)
         row = [mean_val(grid, "plain", name, c) for c in cells_of(ct, grid) if c[0] == cell[0]]
@@ -206,6 +211,58 @@ def grid_table(grid: dict[str, Any]) -> list[str]:
                    f"{'yes' if ct.late else ''} | {lrs[0]:.3g} .. {lrs[-1]:.3g} | {_shown(cell)} | "
                    f"{best:.4f} | {max(row) / best:.3f}x |")
     return out
+
+
+MARKER = "knobs-suite"
+REPORTED = ("Forks", "Optuna")  # the methods whose committed runs the section shows, in this order
+HEAD = """## Co-exploration suite: the lr and other knobs, from a bad knob value and from the best
+
+Produced by `python -m benchmarks.knobs report` from the committed stores (`benchmarks/knobs/stored/`:
+the grid, `python -m benchmarks.knobs grid`; each method's runs, `python -m benchmarks.knobs eval
+--method M --store stored`, with `--held-out` for the held-out tasks; Optuna needs the `bench` extra).
+Fifteen set-ups, each with one or two knobs besides the lr; five are held out, committed with their
+grids before any search ran on the suite. A method starts from the grid's best cell, and from every
+other cell at the best cell's lr whose plain run is at least 5% worse (a bad knob value). Values are
+the mean validation loss of 2 seeds; "late": a set-up where the better regularization should show
+only late (small data, long runs, a model that overfits)."""
+
+
+def section(grid: dict[str, Any], stores: dict[str, dict[str, Any]]) -> str:
+    """The section's text from the grid and each reported method's store."""
+    out = [HEAD, "", "### The grids", "", *grid_table(grid)]
+    for method, store in stores.items():
+        out += ["", f"### {method}", "", *summary(method, store, grid)]
+        for held in (False, True):
+            out += ["", f"{'Held out' if held else 'Design tasks'}:", "", *table(method, store, grid, held)]
+    return "\n".join(out) + "\n"
+
+
+def report(doc: Path = DOC) -> None:
+    """Write the section into ``doc`` from the committed stores (refused, nothing written, when the
+    grid or a reported method's store is missing or short of a start)."""
+    from benchmarks import _store
+
+    grid = _load(GRID)
+    if not grid:
+        _store.refuse(GRID, "python -m benchmarks.knobs grid", doc)
+    stores = {}
+    for method in REPORTED:
+        path = STORED / f"{method}.json"
+        store = _load(path)
+        short = [n for n, ct in TASKS.items() for _, c in starts(ct, grid) for s in SEEDS
+                 if key(method, n, c, s) not in store]
+        if short:
+            _store.refuse(path, f"python -m benchmarks.knobs eval --method {method} --store stored "
+                          "(and again with --held-out)", doc, lacks=", ".join(sorted(set(short))))
+        stores[method] = store
+    text = doc.read_text()
+    start, end = f"<!-- {MARKER} -->", f"<!-- /{MARKER} -->"
+    body = "\n" + section(grid, stores)
+    if start in text:
+        text = text[:text.index(start) + len(start)] + body + text[text.index(end):]
+    else:
+        text = text.rstrip("\n") + f"\n\n{start}{body}{end}\n"
+    doc.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--held-out", action="store_true", help="the held-out tasks (default: the design tasks)")
     e.add_argument("--jobs", type=int, default=2)
     e.add_argument("--store", choices=("stored", "runs"), default="runs")
+    sub.add_parser("report")
     a = p.parse_args(argv)
+    if a.cmd == "report":
+        report()
+        return 0
     if a.cmd == "grid":
         grid = make_grid(a.tasks, a.jobs)
         print("\n".join(grid_table(grid)))

@@ -63,7 +63,10 @@ def _forks(options: dict[str, Any]) -> Callable[..., Any]:
             final = None
         ends = {k.name: float(forks.values[k.name]) for k in knobs}
         steps = forks.fork_steps / task.steps
-        return final, {"lr_factor": float(forks.factor), "values": ends, "steps": steps}
+        end = forks.history[-1] if forks.history and forks.history[-1].phase == "end" else None
+        told = None if end is None else {"scores": end.scores, "values": end.values,
+                                         "gain": (end.metrics or {}).get("gain")}
+        return final, {"lr_factor": float(forks.factor), "values": ends, "steps": steps, "end": told}
     return route
 
 
@@ -111,7 +114,7 @@ METHODS: dict[str, Callable[..., Any]] = {
     "Forks": _forks({}),
     # knob forks branched from your run at a share of the run, each knob to each side or jointly
     **{f"late{round(b * 100)}-{d}": _forks({"knob_start": b, "knob_design": d})
-       for b in (0.3, 0.5, 0.7) for d in ("each", "joint")},
+       for b in (0.1, 0.3, 0.5, 0.7) for d in ("each", "joint")},
     # the standard tool at the same budget: Optuna's TPE + successive halving over separate trials
     "Optuna": _optuna,
 }

@@ -42,6 +42,7 @@ class _Decisions:
             fork = start.copied(n + j, factor=start.factor, values=dict(values), shared=memo,
                                 sharder=self._sharder)
             fork.apply(self.knobs)
+            fork.late = True
             self._forks.append(fork)
         log.info("hpx.Forks: step %d: %d knob fork(s) branched from your run", self.step_count,
                  len(self._late))
@@ -60,6 +61,7 @@ class _Decisions:
         if 0 not in order:
             order = [*order[: keep - 1], 0]
         order = [i for i in order if i == 0 or math.isfinite(scores[i])]  # a blown-up challenger goes
+        order += [i for i, f in enumerate(self._forks) if f.late and i not in order]  # to the end uncut
         self._check_probe_loss(scores[0])
         order, lost = self._agreed((sorted(order), not math.isfinite(scores[0])))
         if lost:

@@ -34,14 +34,15 @@ class _Fork:
     values of the other knobs it trains with and, for an annealed copy, its ramp ``(first step,
     length)``."""
 
-    __slots__ = ("_mark", "_watched", "factor", "lost", "ramp", "replica", "scaled", "scaler", "scheduler",
-                 "values")
+    __slots__ = ("_mark", "_watched", "factor", "late", "lost", "ramp", "replica", "scaled", "scaler",
+                 "scheduler", "values")
 
     def __init__(self, factor: float, replica: Replica, scheduler: LRScheduler | None,
                  ramp: tuple[int, int] | None = None, values: dict[str, float] | None = None) -> None:
         self.factor, self.replica, self.scheduler, self.ramp = factor, replica, scheduler, ramp
         self.values: dict[str, float] = dict(values or {})
         self.lost = False  # non-finite at a cut: no longer trained (only your run is kept so)
+        self.late = False  # a knob fork branched late from your run (knob_start): kept by every cut
         self.scaled = False  # the multiple is written into its optimizer and scheduler (your run, won)
         self.scaler: Any = None  # its GradScaler (bind_scalers), or a saved one's state until then
         self._watched: tuple[list[torch.Tensor], list[torch.nn.Module]] | None = None  # see watched()
@@ -171,7 +172,7 @@ class _Fork:
         if any(is_dtensor(p) for p in self.model.parameters()):
             model, opt = local_state(model), local_state(opt)
         return {"factor": self.factor, "scaled": self.scaled, "values": dict(self.values), "lost": self.lost,
-                "ramp": self.ramp,
+                "ramp": self.ramp, "late": self.late,
                 "parent": parent, "model": model,
                 "scaler": self.scaler.state_dict() if hasattr(self.scaler, "state_dict") else self.scaler,
                 "optimizer": opt,
@@ -186,6 +187,7 @@ class _Fork:
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         self.factor, self.lost = float(state["factor"]), bool(state["lost"])
+        self.late = bool(state.get("late", False))  # states saved before it was kept: none branched late
         self.scaled = bool(state.get("scaled", False))  # states saved before it was kept: not scaled
         self.scaler = state.get("scaler")  # a state, made a GradScaler again at the next step
         self.values = {k: float(v) for k, v in state["values"].items()}
