@@ -8,8 +8,9 @@ with no knob and with one, two and three knobs besides the learning rate.
 An MLP (64 -> 256 -> 256 -> 10, two ``nn.Dropout`` at 0.1) on scikit-learn's bundled digits,
 AdamW (weight decay 0.01) under a cosine schedule, batches of 64 from the first 1,000 rows,
 300 optimizer steps; the probe is 400 of the other rows, scored per example without smoothing.
-Each knob adds two forks at your learning rate (the knob moved by its spread to each side of your
-value), so the first phase of the run trains ``5 + 2k`` models: ``hpx.Dropout(spread=0.2)``,
+At the defaults the knobs add two forks in all, whatever their number: branched from your run at
+70% of the run (``knob_start``), one with every knob moved up by its spread, one down
+(``knob_design="joint"``), both to the end: ``hpx.Dropout(spread=0.2)``,
 then ``hpx.WeightDecay(group=0, span=10)``, then ``hpx.LabelSmoothing(base=0.1, spread=0.05)``
 (the training loss reads the fork's value).
 
@@ -146,9 +147,9 @@ def section(res: list[dict[str, Any]], command: str, wall: float, on: str) -> st
              f"`benchmarks/forks_knobs.py` (an MLP with dropout on digits, {STEPS} steps, AdamW under a "
              "cosine schedule, Forks at its default cuts, with 0-3 knobs besides the learning rate; "
              f"wall time against plain training in the same round, the median of {REPEATS} rounds). "
-             "Each knob adds up to two forks (one where a side falls outside its bounds: dropout 0.1 "
-             "with a spread of 0.2 forks at 0.3 only) to the first phase of the run only: the cuts keep "
-             "3, then 2.", "",
+             "At the defaults the knobs add two forks in all, whatever their number, branched from your "
+             "run at 70% of it, one moving every knob up by its spread and one down, both to the end "
+             "(0.6 of a run's steps); the lr's forks are those of a run without knobs.", "",
              "| knobs besides the lr | forks at the start | optimizer steps / plain's "
              "| wall time / plain's |",
              "| --- | ---: | ---: | ---: |"]

@@ -351,7 +351,7 @@ def test_resume_mid_cut_is_bit_for_bit(tmp_path):
         model = _net()
         opt, sched = _adamw_onecycle(model, 0.01)
         return model, hpx.Forks(model, opt, total_steps=STEPS, schedule=sched, probe=PROBE,
-                                knobs=[hpx.Dropout(spread=0.1)])
+                                knobs=[hpx.Dropout(spread=0.1)], knob_start=0, knob_design="each")
 
     torch.manual_seed(5)
     model, forks = build()
@@ -619,7 +619,8 @@ def test_a_knob_forks_at_its_spread_and_the_winner_is_plain_training_at_its_valu
     model = _net(p=0.2)
     torch.manual_seed(11)
     forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), total_steps=40,
-                      probe=PROBE, multiples=(1.0,), cuts=(), confidence=0, knobs=[hpx.Dropout(spread=0.2)])
+                      probe=PROBE, multiples=(1.0,), cuts=(), confidence=0, knobs=[hpx.Dropout(spread=0.2)],
+                      knob_start=0)
     assert [f.values["dropout"] for f in forks._forks] == [0.2, 0.0, pytest.approx(0.4)]
     assert [_dropouts(f.model) for f in forks._forks] == [[0.2], [0.0], [pytest.approx(0.4)]]
     for b in BATCHES[:40]:
@@ -648,7 +649,8 @@ def test_weight_decay_and_label_smoothing_forks():
 
     forks = hpx.Forks(model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01),
                       total_steps=20, probe=PROBE, multiples=(1.0,), cuts=(), loss_fn=_loss,  # the probe's
-                      knobs=[hpx.WeightDecay(group=0, span=10), hpx.LabelSmoothing(base=0.05, spread=0.05)])
+                      knobs=[hpx.WeightDecay(group=0, span=10), hpx.LabelSmoothing(base=0.05, spread=0.05)],
+                      knob_start=0, knob_design="each")
     wds = [f.optimizer.param_groups[0]["weight_decay"] for f in forks._forks]
     assert wds == [0.01, pytest.approx(0.001), pytest.approx(0.1), 0.01, 0.01]
     assert [f.values["label_smoothing"] for f in forks._forks] == [0.05, 0.05, 0.05, 0.0, 0.1]
@@ -664,7 +666,7 @@ def test_weight_decay_and_label_smoothing_forks():
 def test_a_side_outside_the_knobs_bounds_is_left_out_not_moved_onto_the_bound(p, knob, forks_at):
     model = _net(p=p)
     forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=20, probe=PROBE,
-                      multiples=(1.0,), cuts=(), knobs=[knob])
+                      multiples=(1.0,), cuts=(), knobs=[knob], knob_start=0)
     assert [f.values["dropout"] for f in forks._forks[1:]] == forks_at
 
 
@@ -1178,9 +1180,10 @@ def test_a_weight_decay_knob_on_a_group_without_decay_forks_upward_and_the_engin
               {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.01}]
     opt = torch.optim.AdamW(groups, lr=0.01)
     forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, multiples=(1.0,), cuts=(),
-                      knobs=[hpx.WeightDecay(span=10)])
+                      knobs=[hpx.WeightDecay(span=10)], knob_start=0)
     assert [f.optimizer.param_groups[0]["weight_decay"] for f in forks._forks] == [0.0, 0.01]
-    forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, knobs=[hpx.WeightDecay(span=10, group=1)])
+    forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, knobs=[hpx.WeightDecay(span=10, group=1)],
+                      knob_start=0)
     assert forks.bases["weight_decay"] == 0.01
     with pytest.raises(hpx.ConfigError, match=r"weight_decay=0.0 from parameter group 0 .*give group=1"):
         hpx.Engine(_net(), lambda m: torch.optim.AdamW([

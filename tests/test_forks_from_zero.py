@@ -45,7 +45,7 @@ def _loss(rep, b):
 
 def _forks(model, opt, knob, **kw) -> hpx.Forks:
     return hpx.Forks(model, opt, total_steps=STEPS, probe=PROBE, multiples=(1.0,), cuts=(), knobs=[knob],
-                     **kw)
+                     **{"knob_start": 0, **kw})  # the knob forks from the start: read at once
 
 
 def _train(forks: hpx.Forks, steps: range) -> None:

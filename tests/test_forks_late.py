@@ -32,7 +32,7 @@ def test_joint_design_moves_every_knob_to_one_side():
     sides = {"dropout": [0.1, 0.5], "label_smoothing": [0.1]}
     bases = {"dropout": 0.3, "label_smoothing": 0.0}
     assert knob_settings([a, b], bases, "joint", sides) == [
-        {"dropout": 0.5, "label_smoothing": 0.1}, {"dropout": 0.1, "label_smoothing": 0.0}]
+        {"dropout": 0.1, "label_smoothing": 0.0}, {"dropout": 0.5, "label_smoothing": 0.1}]
     assert knob_settings([a, b], bases, "each", sides) == [
         {"dropout": 0.1, "label_smoothing": 0.0}, {"dropout": 0.5, "label_smoothing": 0.0},
         {"dropout": 0.3, "label_smoothing": 0.1}]
@@ -152,16 +152,19 @@ def test_a_bad_knob_design_is_refused():
 
 
 def test_a_state_saved_with_another_knob_start_is_refused():
-    def build(start):
+    def build(start, design="joint"):
         model = _net()
         return hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE,
-                         knobs=[hpx.Dropout(spread=0.1)], knob_start=start)
+                         knobs=[hpx.Dropout(spread=0.1)], knob_start=start, knob_design=design)
 
     state = build(0.5).state_dict()
     with pytest.raises(hpx.ConfigError, match=r"knob_start=0.5 \(this run has 0.0\)"):
         build(0.0).load_state_dict(state)
-    old = {k: v for k, v in build(0.0).state_dict().items() if k not in ("knob_start", "knob_design")}
-    build(0.0).load_state_dict(old)  # a state saved before the setting existed: built at its default
+    # a state saved before the settings existed was built with knob_start=0, knob_design="each"
+    old = {k: v for k, v in build(0.0, "each").state_dict().items() if k not in ("knob_start", "knob_design")}
+    with pytest.raises(hpx.ConfigError, match=r"knob_design='each' \(this run has 'joint'\)"):
+        build(0.0).load_state_dict(old)
+    build(0.0, "each").load_state_dict(old)
 
 
 def test_knob_forks_branched_before_a_cut_are_kept_by_it_without_annealed_copies():

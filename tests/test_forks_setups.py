@@ -226,15 +226,18 @@ def test_a_knob_your_loss_reads_needs_a_probe_loss_of_its_own():
     model = _net(p=0.0)
     with pytest.raises(hpx.ConfigError, match="knob 'label_smoothing' is read by your loss"):
         hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE,
-                  knobs=[hpx.LabelSmoothing(base=0.1, spread=0.05)])
+                  knobs=[hpx.LabelSmoothing(base=0.1, spread=0.05)],
+                      knob_start=0)
     forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE, loss_fn=_loss,
-                      knobs=[hpx.LabelSmoothing(base=0.1, spread=0.05)])
+                      knobs=[hpx.LabelSmoothing(base=0.1, spread=0.05)],
+                      knob_start=0)
     assert forks.factors[-2:] == [1.0, 1.0]  # the knob's two forks, at your lr
 
 
 def test_dropout_forks_from_a_rate_of_0_keep_the_side_the_bound_allows():
     model = _net(p=0.0)
-    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE, knobs=[hpx.Dropout(spread=0.2)])
+    forks = hpx.Forks(model, _sgd(model), total_steps=STEPS, probe=PROBE, knobs=[hpx.Dropout(spread=0.2)],
+                      knob_start=0)
     assert [f.values["dropout"] for f in forks._forks][-1:] == [0.2] and len(forks.factors) == 6
 
 

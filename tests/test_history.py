@@ -68,7 +68,7 @@ def forks_history():
     net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Dropout(0.1),
                               torch.nn.Linear(32, 1))
     forks = hpx.Forks(net, torch.optim.SGD(net.parameters(), lr=0.003), total_steps=100,
-                      probe=[(x[400:], y[400:])], knobs=[hpx.Dropout(spread=0.05)])
+                      probe=[(x[400:], y[400:])], knobs=[hpx.Dropout(spread=0.05)], knob_start=0)
     for i in range(100):
         j = (32 * i) % 384
         forks.step(lambda r, b: F.mse_loss(r.model(b[0]), b[1]), (x[j:j + 32], y[j:j + 32]))

@@ -24,10 +24,11 @@ from benchmarks.knobs.tasks import CoTask, _Attention, get_task, set_knobs, trai
 __all__ = ["METHODS", "declared", "key", "run"]
 
 
-def declared(ct: CoTask) -> list[hpx.Knob]:
+def declared(ct: CoTask, start: dict[str, float]) -> list[hpx.Knob]:
     """The task's knobs as the README tells a user to declare them for ``hpx.Forks``: a dropout
     rate 0.2 to each side, a weight decay a decade, a label smoothing 0.1, an attention temperature
-    a factor of 2 (fixed before any search ran on the suite)."""
+    a factor of 2 (fixed before any search ran on the suite). The others read your value from the
+    model or optimizer; the loss's label smoothing is given (``base=``), as a user gives it."""
     out: list[hpx.Knob] = []
     for name in ct.knob_names():
         if name == "dropout":
@@ -35,7 +36,7 @@ def declared(ct: CoTask) -> list[hpx.Knob]:
         elif name == "weight_decay":
             out.append(hpx.WeightDecay(group=0, span=10))
         elif name == "label_smoothing":
-            out.append(hpx.LabelSmoothing(spread=0.1))
+            out.append(hpx.LabelSmoothing(base=start["label_smoothing"], spread=0.1))
         elif name == "temperature":
             out.append(hpx.AttentionTemperature(modules=_Attention, span=2))
     return out
@@ -46,7 +47,7 @@ def _forks(options: dict[str, Any]) -> Callable[..., Any]:
               batches: list[Any], start: dict[str, float],
               seed: int = 0) -> tuple[torch.nn.Module | None, dict[str, Any]]:
         task = ct.task
-        knobs = declared(ct)
+        knobs = declared(ct, start)
         smooth = "label_smoothing" in ct.knob_names()
 
         def loss(rep: Any, b: Any) -> torch.Tensor:
@@ -112,9 +113,11 @@ def _optuna(ct: CoTask, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
 # its defaults.
 METHODS: dict[str, Callable[..., Any]] = {
     "Forks": _forks({}),
+    # the defaults before issue 49: two forks per knob from the start, cut with the lr's forks
+    "Forks-start": _forks({"knob_start": 0.0, "knob_design": "each"}),
     # knob forks branched from your run at a share of the run, each knob to each side or jointly
     **{f"late{round(b * 100)}-{d}": _forks({"knob_start": b, "knob_design": d})
-       for b in (0.1, 0.3, 0.5, 0.7) for d in ("each", "joint")},
+       for b in (0.1, 0.3, 0.5, 0.7, 0.85) for d in ("each", "joint")},
     # the standard tool at the same budget: Optuna's TPE + successive halving over separate trials
     "Optuna": _optuna,
 }

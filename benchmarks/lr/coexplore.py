@@ -145,7 +145,8 @@ def _general_route(task: Task, model: torch.nn.Module, opt: torch.optim.Optimize
 def _forks_route(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
                  batches: list[Any], knob: str, lr: float) -> tuple[torch.nn.Module | None, dict[str, Any]]:
     forks = hpx.Forks(model, opt, total_steps=task.steps, schedule=sched, probe=task.probe(),
-                      loss_fn=lambda rep, b: task.loss(rep.model, b), knobs=[_fork_knob(knob)])
+                      loss_fn=lambda rep, b: task.loss(rep.model, b), knobs=[_fork_knob(knob)],
+                      knob_start=0.0, knob_design="each")  # the defaults when its store was made
     try:
         for b in batches:
             forks.step(lambda rep, bb: task.loss(rep.model, bb), b)

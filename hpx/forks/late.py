@@ -31,13 +31,13 @@ def knob_settings(knobs: Sequence[Knob], bases: dict[str, float], design: str,
 
     * ``"each"``: two forks per knob, each moving that knob alone to one side (``sides[name]``: the
       sides inside its bounds, lower first when both are);
-    * ``"joint"``: two forks in all, one moving every knob to its upper side, one to its lower side
+    * ``"joint"``: two forks in all, one moving every knob to its lower side, one to its upper side
       (a knob with no side there stays at your value), so a winner may move several knobs at once.
     """
     if design == "each":
         return [{**bases, k.name: v} for k in knobs for v in sides[k.name]]
     out: list[dict[str, float]] = []
-    for up in (True, False):
+    for up in (False, True):
         moved = dict(bases)
         for k in knobs:
             side = [v for v in sides[k.name] if (v > bases[k.name]) == up]

@@ -22,8 +22,11 @@ model holding the winner. A last cut that keeps one (``cuts=((0.05, 2), (0.54, 1
 decision before the run's end instead, on annealed copies of your run and the challenger; the
 rest of the run is plain training at the winner's multiple.
 
-Other knobs (``knobs=[hpx.Dropout(spread=0.2), ...]``) add two forks each, at your learning rate,
-with the knob moved by its spread to each side of your value; they are cut and judged as any fork.
+Other knobs (``knobs=[hpx.Dropout(spread=0.2), ...]``) add two forks in all, branched from your
+run at 70% of the run (``knob_start``), one with every knob moved up by its spread, one down
+(``knob_design="joint"``); they go to the end uncut, since what regularization buys often shows
+only late, and the end compares them with your run as finished runs, the bar raised for the number
+of challengers (0.6x plain training's steps more, whatever the number of knobs).
 
 It costs optimizer steps (5 forks to 10% of the run, 3 to 25%, 2 to the end, and the annealed
 copies: about 3x plain training's). Memory: what a fork trains is its own (trainable parameters,
@@ -89,7 +92,7 @@ from hpx.replica import Replica
 from hpx.signals import LossFn
 from hpx.sync_record import SyncRecord
 
-__all__ = ["CONFIDENCE", "COOL", "CUTS", "MULTIPLES", "Forks"]
+__all__ = ["CONFIDENCE", "COOL", "CUTS", "KNOB_DESIGN", "KNOB_START", "MULTIPLES", "Forks"]
 
 log = logging.getLogger("hpx")
 
@@ -101,7 +104,11 @@ COOL = 0.05
 """The default share of the run over which a cut's annealed copies train before they are scored."""
 CONFIDENCE = 2.0
 """The default ``z``: standard errors by which a challenger must beat your run at the end."""
-
+KNOB_START = 0.7
+"""The share of the run at which the knob forks branch from your run (``docs/method.md``, "Knobs that
+pay late")."""
+KNOB_DESIGN = "joint"
+"""Two knob forks in all, one moving every knob up by its spread, one every knob down."""
 
 
 class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
@@ -141,11 +148,13 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
             (a side outside the knob's bounds is left out; a multiplicative knob at 0 forks upward
             to its ``from_zero``). A challenger changes the lr or one knob.
         knob_start: the share of the run at which the knob forks branch from your run, each a copy
-            of it as it is then at its knob values, going to the end uncut (``0``: they start with
-            the lr's forks and are cut with them). What regularization buys often shows only late.
-        knob_design: ``"each"``: two forks per knob, one to each side; ``"joint"``: two in all, one
-            moving every knob up, one every knob down. With several challengers at the end, the
-            best must clear ``confidence`` raised for their number (:func:`hpx.forks.late.corrected`).
+            of it as it is then at its knob values, going to the end uncut (default 0.7; ``0``:
+            they start with the lr's forks and are cut with them). What regularization buys often
+            shows only late, and a finished run is what the end compares.
+        knob_design: ``"joint"`` (default): two knob forks in all, one moving every knob up by its
+            spread, one every knob down, so a winner moves several knobs at once; ``"each"``: two
+            forks per knob, one to each side. With several challengers at the end, the best must
+            clear ``confidence`` raised for their number (:func:`hpx.forks.late.corrected`).
         backend: the :class:`~hpx.backends.Collective` (default: this process alone); with
             ``hpx.backends.TorchDistributed()`` each fork is data-parallel over the ranks.
         on_sync: a function (or a list of them) called with the :class:`~hpx.SyncRecord` of each
@@ -201,8 +210,8 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
         cool: float = COOL,
         confidence: float = CONFIDENCE,
         knobs: Sequence[Knob] = (),
-        knob_start: float = 0.0,
-        knob_design: str = "each",
+        knob_start: float = KNOB_START,
+        knob_design: str = KNOB_DESIGN,
         backend: Collective | None = None,
         on_sync: Callable[[SyncRecord], Any] | Sequence[Callable[[SyncRecord], Any]] = (),
         share: bool = True,

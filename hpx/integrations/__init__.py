@@ -42,7 +42,8 @@ def _lr(optimizer: Any) -> float:
     return float(lr.item() if torch.is_tensor(lr) else lr)
 
 
-_FORKS_SETTINGS = ("multiples", "cuts", "cool", "confidence", "knobs", "on_sync", "share")
+_FORKS_SETTINGS = ("multiples", "cuts", "cool", "confidence", "knobs", "knob_start", "knob_design", "on_sync",
+                   "share")
 """The :class:`hpx.Forks` settings an integration passes on (the rest come from the framework)."""
 
 

@@ -246,7 +246,7 @@ class ForksCallback(pl.Callback):
             one number; the plain objective, without regularisers).
         probe: held-out batches the forks are scored on (every process must hold the same ones).
         **settings: other :class:`hpx.Forks` settings (``multiples``, ``cuts``, ``cool``,
-            ``confidence``, ``knobs``, ``on_sync``, ``share``).
+            ``confidence``, ``knobs``, ``knob_start``, ``knob_design``, ``on_sync``, ``share``).
 
     Each fork takes its step through your module's own ``training_step`` (on a copy of the
     module, under the same precision context), with Lightning's gradient accumulation and its

@@ -249,7 +249,7 @@ class ForksTrainer(Trainer):
         probe_loss: ``probe_loss(model, batch) -> loss`` on a probe batch (the loss of every
             example, or one number); default: the loss the model returns, ``model(**batch)["loss"]``.
         forks: other :class:`hpx.Forks` settings (``multiples``, ``cuts``, ``cool``,
-            ``confidence``, ``knobs``, ``on_sync``, ``share``).
+            ``confidence``, ``knobs``, ``knob_start``, ``knob_design``, ``on_sync``, ``share``).
 
     :attr:`forks` is the :class:`hpx.Forks` once training has begun. The forks train through the
     Trainer's own ``training_step`` and ``compute_loss`` (a ``compute_loss`` you override, label
