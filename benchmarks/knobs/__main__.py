@@ -244,9 +244,27 @@ the mean validation loss of 2 seeds; "late": a set-up where the better regulariz
 only late (small data, long runs, a model that overfits)."""
 
 
+def against(method: str, other: str, stores: dict[str, dict[str, Any]], grid: dict[str, Any]) -> list[str]:
+    """Cell by cell (every start, the mean of its seeds): where ``method`` ends at or below ``other``."""
+    out = [f"| tasks | {method} at or below {other} | ... from a bad value |", "| --- | ---: | ---: |"]
+    for held in (False, True):
+        mine = {(r["task"], r["cell"]): r for r in rows(method, stores[method], grid, held) if r["done"]}
+        theirs = {(r["task"], r["cell"]): r for r in rows(other, stores[other], grid, held) if r["done"]}
+        both = [(mine[k], theirs[k]) for k in mine if k in theirs]
+        bad = [(a, b) for a, b in both if a["start"] == "bad"]
+        n = len({a["task"] for a, _ in both})
+        at = sum(a["got"] <= b["got"] for a, b in both)
+        out.append(f"| {'held out' if held else 'design'} ({n}) | {at} of {len(both)} | "
+                   f"{sum(a['got'] <= b['got'] for a, b in bad)} of {len(bad)} |")
+    return out
+
+
 def section(grid: dict[str, Any], stores: dict[str, dict[str, Any]]) -> str:
     """The section's text from the grid and each reported method's store."""
     out = [HEAD, "", "### The grids", "", *grid_table(grid)]
+    if "Forks" in stores and "Optuna" in stores:
+        out += ["", "### hpx.Forks against Optuna, cell by cell", "",
+                *against("Forks", "Optuna", stores, grid)]
     for method, store in stores.items():
         out += ["", f"### {LABELS.get(method, method)}", "", *summary(method, store, grid)]
         for held in (False, True):

@@ -261,13 +261,14 @@ def test_bf16_mixed_precision_reaches_every_fork(tmp_path):
 
 
 def test_other_knobs_fork_too_and_the_winners_value_lands_in_your_module(tmp_path):
-    """knobs=[hpx.Dropout(spread=0.4)] from p = 0.5: two more forks at your lr, at p = 0.1 and 0.9;
-    the winner (p = 0.1, with confidence) has its dropout, a value no state_dict holds, written
-    into your module's dropout layer."""
+    """knobs=[hpx.Dropout(spread=0.4)] from p = 0.5, the knob forks from the start (knob_start=0,
+    passed on to hpx.Forks): two more forks at your lr, at p = 0.1 and 0.9; the winner (p = 0.1,
+    with confidence) has its dropout, a value no state_dict holds, written into your module's
+    dropout layer."""
     import hpx
 
     cb = ForksCallback(probe_loss, probe=probe(), multiples=(1,), cuts=((0.25, 2),),
-                       knobs=[hpx.Dropout(spread=0.4)])
+                       knobs=[hpx.Dropout(spread=0.4)], knob_start=0)
     module = Dropped(lr=0.1, steps=40, dropout=0.5)
     _fit(tmp_path, module, 40, [cb])
     f = cb.forks
