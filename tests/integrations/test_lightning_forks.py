@@ -227,6 +227,7 @@ def test_a_fit_stopped_early_decides_when_it_stops(tmp_path):
     assert f.history[-1].step == 20 and f.model is module
 
 
+@pytest.mark.slow
 def test_the_example_ends_where_plain_lightning_at_the_winners_lr_does(tmp_path):
     """examples/lightning_digits.py (2 processes, strategy="ddp"): from 0.005 the fork at 10x wins,
     and the run's test loss is plain Lightning's at 0.05, to the digit printed."""
