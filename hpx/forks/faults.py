@@ -7,6 +7,7 @@ search's own attributes."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import math
@@ -17,10 +18,11 @@ import torch
 
 from hpx.averaging import local
 from hpx.errors import ConfigError, ConsistencyError, NonFiniteError
-from hpx.forks.fork import _device
+from hpx.forks.fork import _device, _rng_get, _rng_set
 from hpx.forks.misuse import _label
 from hpx.forks.probe import group_numbers
 from hpx.forks.ranks import _APART, _MET, check_steps_aligned, weights_digest
+from hpx.replica import Replica
 
 log = logging.getLogger("hpx")
 
@@ -40,6 +42,8 @@ class _Faults:
     _sharder: Any
     _apart: Any
     _half: str | None
+    _probe: Any
+    _probe_fn: Any
     collective: Any
     step_count: int
 
@@ -108,12 +112,41 @@ class _Faults:
             else torch.zeros(1, dtype=torch.float64, device=dev)
         if self.collective.world_size > 1:  # a sharded run: every rank's part
             self.collective.all_reduce_sum_([bad])
-        if float(bad) == 0:
+        if float(bad) == 0 and not self._agreed(self._overflows()):
             raise NonFiniteError(f"at step {self.step_count} the probe's loss_fn gave your run a non-finite "
                                  "loss while its weights are finite: the probe's loss is at fault, not your "
                                  "run (a log of 0, a division by zero, a NaN in the probe batches); fix "
                                  "loss_fn or the probe and resume from your last checkpoint. Nothing was "
                                  "decided")
+
+    def _overflows(self) -> bool:
+        """Whether your run's probe loss, non-finite with finite weights, is finite in float64: its
+        outputs overflowed their dtype (a run blowing up: lost, as a run with non-finite weights is),
+        not a fault of the loss (a log of 0, a division by zero or a NaN in the probe stays
+        non-finite in float64). Rescored once on a float64 copy of your model and the probe's
+        floating tensors; a rescoring that cannot run (a sharded model, a loss that fixes its own
+        dtype) answers False, and the probe's loss is named as before."""
+        if self._sharder is not None:
+            return False
+        start = self._forks[0]
+        dev = _device(start.model)
+        keep = _rng_get(dev)
+        try:
+            model = copy.deepcopy(start.model).to(torch.float64).eval()
+            replica = Replica(start.replica.index, model, start.optimizer)
+            replica._values.update(start.replica._values)
+            with torch.no_grad(), torch.autocast(dev.type, enabled=False):
+                for batch in self._probe:
+                    loss = self._probe_fn(replica, _as_float64(batch))
+                    if not bool(torch.isfinite(torch.as_tensor(loss)).all()):
+                        return False
+        except Exception:  # noqa: BLE001 - the question has no answer: name the loss as before
+            return False
+        finally:
+            _rng_set(keep, dev)
+        log.warning("hpx.Forks: at step %d your run's probe loss overflowed (finite in float64): its "
+                    "outputs blew up; it is lost", self.step_count)
+        return True
 
     def _raise_if_all_lost(self, scores: list[float]) -> None:
         if self._agreed(not any(math.isfinite(s) for s in scores)):  # every rank: one collective follows
@@ -292,3 +325,14 @@ def _number(v: Any) -> Any:
 def _hash(data: bytes) -> int:
     """A 64-bit hash of ``data`` (the same in every process), as a signed integer."""
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def _as_float64(batch: Any) -> Any:
+    """``batch`` with its floating tensors in float64 (in lists, tuples and dicts); the rest as it is."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(torch.float64) if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: _as_float64(v) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
+        return type(batch)(_as_float64(v) for v in batch)
+    return batch
