@@ -44,7 +44,7 @@ def test_a_probe_loss_that_overflows_for_your_finite_run_makes_it_lost_not_an_er
     forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.01), total_steps=STEPS, probe=PROBE,
                       loss_fn=probe_loss)
     for i, b in enumerate(BATCHES):
-        if i == 2:  # your run's weights large but finite: its training loss finite, its probe's not in float32
+        if i == 2:  # your weights large but finite: the training loss finite, the probe's not in float32
             with torch.no_grad():
                 model.weight.fill_(2e16)
         forks.step(_loss, b)

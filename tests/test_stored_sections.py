@@ -32,7 +32,7 @@ from benchmarks import (
 )
 from benchmarks.knobs import __main__ as knobs_suite
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize, warmup
+from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize, staged, warmup
 from benchmarks.lr.tasks import TASKS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -41,7 +41,8 @@ COMMANDS = {suite.store_path("Forks"): "python -m benchmarks.lr eval --method Fo
             cost.COST: "python -m benchmarks.lr.cost", bar.COEXPLORE: "python -m benchmarks.lr.coexplore",
             noise.PATH: "python -m benchmarks.lr.noise",
             **{p: ceiling.COMMAND for p in (ceiling.STORE, ceiling.CHUNKS, ceiling.HALVES)},
-            probesize.STORE: probesize.COMMAND, carve.STORE: carve.COMMAND, warmup.STORE: warmup.COMMAND}
+            probesize.STORE: probesize.COMMAND, carve.STORE: carve.COMMAND, warmup.STORE: warmup.COMMAND,
+            staged.STORE: staged.COMMAND}
 
 
 def committed(marker: str) -> str:
@@ -226,6 +227,26 @@ def test_the_warmup_section_is_its_committed_store_read():
     needs(warmup.STORE)
     body = warmup.section(warmup.onecycle_tasks(), suite._load(warmup.STORE))
     assert committed("lr-warmup") == f"\n## {warmup.TITLE}\n\n{body}"
+
+
+def test_the_eighth_held_out_section_is_its_committed_store_read():
+    """``python -m benchmarks.lr.staged --report-only``: the section from the committed grid and the
+    store of hpx.Forks' and Optuna's runs on the eighth held-out set."""
+    assert staged.STORE.exists(), f"{staged.STORE} is missing: run `{staged.COMMAND}`"
+    body = staged.section(suite._load(suite.GRIDS), suite._load(staged.STORE))
+    assert committed(staged.MARKER) == f"\n## {staged.TITLE}\n\n{body}"
+
+
+def test_the_readmes_warmup_figures_are_the_eighth_sets():
+    """The README's line on the eighth held-out set reads the section's figures."""
+    grids, store = suite._load(suite.GRIDS), suite._load(staged.STORE)
+    rows = {m: staged.rows(m, list(staged.STAGED), grids, store) for m in staged.METHODS}
+    ok = lambda r: r["vs_oracle"] <= 1.05  # noqa: E731
+    above = [r for r in rows["Forks"] if r["start"] == "10x"]
+    optuna = [r for r in rows["Optuna"] if r["start"] == "10x"]
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert (f"from 10x too high in {sum(map(ok, above))} of {len(above)} cells (Optuna at the same budget: "
+            f"{sum(map(ok, optuna))})") in " ".join(readme.split())
 
 
 def test_the_readmes_cost_with_knobs_is_the_stores():

@@ -730,8 +730,9 @@ HELD_OUT: tuple[str, ...] = ("digits_cnn_bn_sgd", "char_lstm", "char_transformer
                              "char_mlp_onecycle", "teacher_onecycle")
 
 # The eighth held-out set, staged: committed with its grids (benchmarks/lr/grids.json) before any design
-# work on issue 49, and held out. Its tasks join TASKS and HELD_OUT once their runs are in every store the
-# docs' sections read; until then ``get_task`` and the commands' ``--tasks`` reach them by name.
+# work on issue 49, and held out. Its own section reports it (``python -m benchmarks.lr.staged``: hpx.Forks
+# and Optuna); its tasks join TASKS and HELD_OUT once their runs are in every store the suite's sections
+# read; until then ``get_task`` and the commands' ``--tasks`` reach them by name.
 STAGED: dict[str, Task] = {t.name: t for t in [
     _t(name="digits_mlp_warmcos", family="mlp", optim="adamw", sched="warmcos", steps=500, batch=32,
        center=3e-3, data=lambda: _digits("flat", probe=400), net=lambda d: _mlp([64, 128, 128, 10]),

@@ -140,7 +140,7 @@ class _Faults:
                     loss = self._probe_fn(replica, _as_float64(batch))
                     if not bool(torch.isfinite(torch.as_tensor(loss)).all()):
                         return False
-        except Exception:  # noqa: BLE001 - the question has no answer: name the loss as before
+        except Exception:
             return False
         finally:
             _rng_set(keep, dev)
