@@ -72,4 +72,7 @@ class Collective(Protocol):
         ...
 
     # Optional: ``prepare_model(model) -> model``, called by the engine on the user's
-    # model before replicas are built (TorchDistributed gives a DDP model its NaN guard).
+    # model before replicas are built (TorchDistributed gives a DDP model its NaN guard);
+    # ``all_reduce_sum_async_(tensor) -> work`` (``work.wait()`` before reading ``tensor``),
+    # which hpx.Forks uses to overlap a fork's gradient reduction with the next fork's
+    # backward (without it, ``all_reduce_sum_`` is called at once).

@@ -137,6 +137,19 @@ class TorchDistributed:
             for idx in plan_buckets(tensors, self._bucket_cap_bytes):
                 self._all_reduce_bucket([tensors[i] for i in idx])
 
+    def all_reduce_sum_async_(self, tensor: torch.Tensor) -> dist.Work:
+        """Start summing one dense tensor over all ranks, in place, as one collective; returns its
+        work, whose ``wait()`` comes before ``tensor`` is read (under NCCL it makes the current stream
+        wait, with no host sync). Work between the two overlaps the transfer: :class:`hpx.Forks`
+        sends a fork's gradients while the next fork's backward runs. Every rank starts the same
+        collectives in the same order, as for :meth:`all_reduce_sum_`."""
+        if not tensor.is_contiguous():
+            raise ValueError("all_reduce_sum_async_ takes a contiguous tensor (it is summed in place)")
+        with torch.no_grad():
+            work = dist.all_reduce(tensor, group=self._group, async_op=True)
+        assert work is not None
+        return work
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Return every rank's ``tensor`` stacked as ``[W, *tensor.shape]``, rank order."""
         # Gathering flat 1-D buffers is the one layout every backend accepts,

@@ -23,20 +23,90 @@ _APART = ("under torch.distributed some ranks' losses reached a parameter that o
 @torch.no_grad()
 def mean_over_ranks(trained: Sequence[_Fork],
                     collective: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Every fork's gradient <- its mean over the ranks: one all-reduce per (device, dtype) group,
-    holding every trainable parameter (zeros where this rank's loss did not reach it, so that every
-    rank's buffers line up) and how many ranks had its gradient. Returns a device flag (no host
-    read): some parameter's gradient on some ranks and not on others; and a rank that sent a
-    decision's marker (:func:`check_steps_aligned`)."""
-    world = collective.world_size
-    params = [p for f in trained for p in f.model.parameters() if p.requires_grad]
+    """Every fork's gradient <- its mean over the ranks, fork after fork (:func:`fork_mean`, each
+    waited before the next is sent). Returns a device flag (no host read): some parameter's gradient
+    on some ranks and not on others; and a rank that sent a decision's marker
+    (:func:`check_steps_aligned`)."""
     apart = met = None
-    for idx in dtype_groups(params, skip_empty=True).values():
-        for ps in _buckets([params[i] for i in idx]):
-            odd, m = _reduce_bucket(ps, collective, world)
-            apart = odd if apart is None else apart | odd
-            met = m if met is None else met | m
+    for i, f in enumerate(trained):
+        odd, m = fork_mean(f, collective, first=i == 0).wait()
+        apart, met = either(apart, odd), either(met, m)
     return apart, met
+
+
+def either(held: torch.Tensor | None, new: torch.Tensor | None) -> torch.Tensor | None:
+    """Two device flags or'ed (no host read); ``None`` is no flag."""
+    return held if new is None else new if held is None else held | new
+
+
+@torch.no_grad()
+def fork_mean(f: _Fork, collective: Any, *, first: bool = False, free: bool = False) -> _ForkMean:
+    """Start the all-reduce of fork ``f``'s gradients: one per (device, dtype) group of its trainable
+    parameters (in buckets of at most :data:`_BUCKET` elements), each holding every trainable
+    parameter (zeros where this rank's loss did not reach it, so that every rank's buffers line up)
+    and how many ranks had its gradient. Asynchronous where ``collective`` offers
+    ``all_reduce_sum_async_`` (:class:`hpx.backends.TorchDistributed`); :meth:`_ForkMean.wait` ends it.
+
+    Every path sends the same per-fork buffers (``step``'s, overlapped, and ``optimizer_step``'s), so
+    they agree bit for bit. Over two ranks these are also the sums of one all-reduce over every fork's
+    gradients together (one addition per element); over more, where an element sits in the buffer can
+    change the order a ring adds the ranks in, and so its last bit.
+
+    ``first``: the step's first reduction, whose first bucket may meet a decision's marker
+    (:func:`check_steps_aligned`): where that is read on the host (CPU), its other buckets are sent
+    only once it is checked, as a step's sent one after another. ``free``: each gradient let go once
+    packed and, after the reduction, a view of the reduced buffer (one copy of the fork's gradients
+    alive while it travels, not two); else the buckets are sent one after another, each waited on
+    before the next is packed (one bucket's copy at a time), the gradients written in place."""
+    params = [p for p in f.model.parameters() if p.requires_grad]
+    groups = dtype_groups(params, skip_empty=True).values()
+    runs = [b for idx in groups for b in _buckets([params[i] for i in idx])]
+    return _ForkMean(runs, collective, first, free)
+
+
+class _ForkMean:
+    """One fork's all-reduces in flight (:func:`fork_mean`)."""
+
+    def __init__(self, runs: list[list[torch.Tensor]], collective: Any, first: bool, free: bool) -> None:
+        self.runs, self.collective, self.free = runs, collective, free
+        self.sent: list[tuple[torch.Tensor, list[bool], Any]] = []
+        held = not free or (first and bool(runs) and runs[0][0].device.type == "cpu")
+        for ps in runs[:1] if held else runs:  # kept: each bucket's copy sent once the last is done
+            self._send(ps)
+
+    def _send(self, ps: list[torch.Tensor]) -> None:
+        had = [p.grad is not None for p in ps]
+        has = ps[0].new_ones(len(ps))
+        for j in (j for j, mine in enumerate(had) if not mine):
+            has[j] = 0
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps]
+                         + [has])
+        if self.free:
+            for p in ps:
+                p.grad = None
+        start = getattr(self.collective, "all_reduce_sum_async_", None)
+        if start is None:
+            self.collective.all_reduce_sum_([flat])
+        self.sent.append((flat, had, None if start is None else start(flat)))
+
+    @torch.no_grad()
+    def wait(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The gradients <- their mean; returns the device flags of a gradient some ranks lacked and
+        of a rank that sent a decision's marker instead, which is raised as :class:`ConsistencyError`
+        at once on the CPU (a host read of a CPU tensor: free) and at the next decision elsewhere."""
+        world = self.collective.world_size
+        apart = met = None
+        for k, ps in enumerate(self.runs):
+            if k == len(self.sent):  # the first bucket checked (kept: the last one done), the next sent now
+                for rest in self.runs[k:] if self.free else [ps]:
+                    self._send(rest)
+            flat, had, work = self.sent[k]
+            if work is not None:
+                work.wait()
+            odd, m = _mean_bucket(ps, flat, had, world, self.free)
+            apart, met = either(apart, odd), either(met, m)
+        self.sent = []
+        return apart, met
 
 
 _MET = ("the ranks ran different numbers of optimizer steps: every step's gradient all-reduce must pair with "
@@ -46,9 +116,10 @@ _MET = ("the ranks ran different numbers of optimizer steps: every step's gradie
 
 
 def first_bucket(trained: Sequence[_Fork]) -> list[torch.Tensor]:
-    """The parameters of a step's first all-reduce (:func:`mean_over_ranks`): the shape a decision's
-    marker takes so that a rank still at a step pairs with it (:func:`check_steps_aligned`)."""
-    params = [p for f in trained for p in f.model.parameters() if p.requires_grad]
+    """The parameters of a step's first all-reduce (the first fork's first bucket, :func:`fork_mean`):
+    the shape a decision's marker takes so that a rank still at a step pairs with it
+    (:func:`check_steps_aligned`)."""
+    params = [p for f in trained[:1] for p in f.model.parameters() if p.requires_grad]
     groups = list(dtype_groups(params, skip_empty=True).values())
     return _buckets([params[i] for i in groups[0]])[0] if groups else []
 
@@ -104,26 +175,25 @@ def _buckets(ps: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return out
 
 
-def _reduce_bucket(ps: list[torch.Tensor], collective: Any, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One all-reduce of ``ps``' gradients (zeros where there is none) and of how many ranks had
-    each; the gradients <- their mean. Returns the device flags of a gradient some ranks lacked and
-    of a rank that sent a decision's marker instead, which is raised as :class:`ConsistencyError`
-    at once on the CPU (a host read of a CPU tensor: free) and at the next decision elsewhere."""
-    has = ps[0].new_ones(len(ps))
-    for j, p in enumerate(ps):
-        if p.grad is None:
-            has[j] = 0
-    flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in ps]
-                     + [has])
-    collective.all_reduce_sum_([flat])
+def _mean_bucket(ps: list[torch.Tensor], flat: torch.Tensor, had: list[bool], world: int,
+                 free: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """After one all-reduce of ``ps``' gradients (``had``: this rank's, where it had one) and of how
+    many ranks had each: the gradients <- their mean (``free``: views of ``flat``). Returns the device
+    flags of :meth:`_ForkMean.wait`."""
     counts, grads = flat[-len(ps):], flat[:-len(ps)].div_(world)
     met = met_a_marker(counts)
     if met.device.type == "cpu" and bool(met):
         raise ConsistencyError(f"a training step of this rank met another rank's decision, converge() or "
                                f"load_checkpoint: {_MET}")
-    for p, part in zip(ps, grads.split([p.numel() for p in ps])):
-        if p.grad is not None:
+    for p, part, mine in zip(ps, grads.split([p.numel() for p in ps]), had):
+        if not mine:
+            continue
+        if not free:
             p.grad.copy_(part.view_as(p.grad))
+        elif p.is_contiguous():
+            p.grad = part.view_as(p)
+        else:  # the parameter's own layout, as autograd gives it
+            p.grad = torch.empty_like(p).copy_(part.view(p.shape))
     return ((counts > 0) & (counts < world)).any(), met
 
 

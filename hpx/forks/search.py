@@ -33,16 +33,16 @@ copies: about 3x plain training's). Memory: what a fork trains is its own (train
 their gradients, its optimizer state); what no step writes is held once for all forks and copies
 (frozen parameters, and the buffers the first step left unwritten: ``share=True``), so a frozen
 base under a small head costs about one model. The peak is at the first cut's window: five forks
-and four annealed copies, and in one process one fork's gradients (``step`` frees each fork's
-right after its optimizer step: ``hpx.forks.early``). Why this design: ``docs/method.md``
+and four annealed copies, and one fork's gradients (two under torch.distributed: ``step`` frees
+each fork's right after its optimizer step: ``hpx.forks.early``). Why this design: ``docs/method.md``
 ("``hpx.Forks``: the confident end in hpx"); the peak as measured: ``docs/benchmarks.md``
 (``python -m benchmarks.forks_memory``).
 
-Under torch.distributed every rank trains every fork on its part of the batch, each fork's
-gradients averaged over the ranks (one all-reduce per dtype per step): data-parallel training.
-With ``shard=`` every fork is sharded over the ranks by FSDP2 instead (1/W of each fork per rank,
-gradients reduce-scattered during each backward: ``hpx.forks.shard``). Floating buffers are
-averaged before a fork is scored; rank 0's decisions are broadcast.
+Under torch.distributed every rank trains every fork on its part of the batch (data-parallel
+training), each fork's gradients averaged over the ranks as its backward ends, while the next
+fork's runs. With ``shard=`` every fork is sharded over the ranks by FSDP2 instead (1/W of
+each fork per rank, gradients reduce-scattered during each backward: ``hpx.forks.shard``). Floating
+buffers are averaged before a fork is scored; rank 0's decisions are broadcast.
 """
 
 from __future__ import annotations
