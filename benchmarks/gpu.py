@@ -18,9 +18,9 @@ Methods, from the same initial weights (seeded inside ``torch.random.fork_rng``)
 scheduler's step); **hpx.Forks** as the README has it (``forks.step`` a step, ``forks.converge()``;
 5 forks at 0.1x-10x the lr, cut to 3 at 10% of the run and to 2 at 25% on copies annealed over the
 next 5%); **hpx.Engine** (HDET in one process: 4 replicas on a quarter of the batch each, a
-``LearningRate`` knob a parameter group on the ``OneCycleLR`` shape, a sync every ``steps // 4``).
-Not here: Forks' batched path (the forks stepped as one batched computation) has no column because
-hpx has no batched path yet; ``shard=`` (FSDP2 forks) needs several ranks.
+``LearningRate`` knob a parameter group on the ``OneCycleLR`` shape, a sync every ``steps // 4``);
+for the mlp only, **hpx.Forks batched**: Forks with ``batched=True`` (``hpx.forks.batched``: a step of
+four forks or more as one vmap; its note counts them). Not here: ``shard=`` needs several ranks.
 
 **Rounds.** Each model runs ``--rounds`` rounds (default 3) of every method in that order, so the
 runs interleave (plain, Forks, Engine, plain, ...) and a drift of the device falls on all alike. A
@@ -77,10 +77,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 MARKER = "gpu"
 METHODS = ("plain", "hpx.Forks", "hpx.Engine")  # a round runs them in this order
-REPLICAS = 4
-SEED = 0
-WARMUP_STEPS = 3
-ROUNDS = 3
+BATCHED = "hpx.Forks batched"  # the mlp's fourth method, after the others
+METHODS_OF = {"mlp": (*METHODS, BATCHED)}  # a model's methods where they are not METHODS
+REPLICAS, SEED, WARMUP_STEPS, ROUNDS = 4, 0, 3, 3
 MLP_STEPS = 4  # the mlp runs this many times the others' steps
 BUDGET_S = 480.0
 PLACEHOLDER = "not yet measured on a GPU: run `python -m benchmarks.gpu` on one"
@@ -349,16 +348,17 @@ def _plain(setup: Setup, model: nn.Module) -> Trained:
     return model, losses, len(setup.batches), ""
 
 
-def _forks(setup: Setup, model: nn.Module) -> Trained:
-    opt, steps = _optimizer(model, setup.lr), len(setup.batches)
-    forks = hpx.Forks(model, opt, total_steps=steps, schedule=_scheduler(opt, setup.lr, steps),
+def _forks(setup: Setup, model: nn.Module, batched: bool = False) -> Trained:
+    opt, n = _optimizer(model, setup.lr), len(setup.batches)
+    forks = hpx.Forks(model, opt, total_steps=n, schedule=_scheduler(opt, setup.lr, n), batched=batched,
                       probe=setup.probe, loss_fn=lambda rep, b: setup.example_loss(rep.model, b))
     losses = [forks.step(lambda rep, bb: setup.loss(rep.model, bb), b)[0] for b in setup.batches]
     final = forks.converge()  # losses[i]: your run's
     cuts = [r.step for r in forks.history if r.phase == "cut"]
-    kept = ", then ".join(str(k) for _, k in forks.cuts)
+    kept, b = ", then ".join(str(k) for _, k in forks.cuts), forks._batched
+    done = "" if b is None else f"; {b.taken} steps batched" + (f" (fell back: {b.why})" if b.why else "")
     return final, losses, forks.fork_steps, (f"cuts (to {kept} forks) decided at steps {cuts}; ended at "
-                                             f"{forks.factor:.3g}x the lr")
+                                             f"{forks.factor:.3g}x the lr{done}")
 
 
 def _engine(setup: Setup, model: nn.Module) -> Trained:
@@ -378,7 +378,7 @@ def _engine(setup: Setup, model: nn.Module) -> Trained:
 
 
 RUNNERS: dict[str, Callable[[Setup, nn.Module], Trained]] = {
-    "plain": _plain, "hpx.Forks": _forks, "hpx.Engine": _engine}
+    "plain": _plain, "hpx.Forks": _forks, "hpx.Engine": _engine, BATCHED: partial(_forks, batched=True)}
 
 
 def run_one(setup: Setup, method: str, device: torch.device, round_: int = 0) -> Run:
@@ -416,9 +416,10 @@ def measure(setup: Setup, device: torch.device, rounds: int, start: float, budge
     runs: list[Run] = []
     for i in range(rounds):
         t = time.perf_counter()
-        runs += [run_one(setup, method, device, i) for method in METHODS]
+        mine = METHODS_OF.get(setup.name, METHODS)
+        runs += [run_one(setup, method, device, i) for method in mine]
         took = time.perf_counter() - t
-        times = ", ".join(f"{r.method} {r.wall:.2f} s" for r in runs[-len(METHODS):])
+        times = ", ".join(f"{r.method} {r.wall:.2f} s" for r in runs[-len(mine):])
         ahead = f"; {rounds} rounds ~{took * rounds:.0f} s" if i == 0 else ""
         print(f"[budget] {setup.name} round {i + 1}/{rounds}: {times} ({took:.1f} s with the builds{ahead}); "
               f"elapsed {time.perf_counter() - start:.0f} s of {budget:.0f} s", file=sys.stderr, flush=True)
@@ -470,7 +471,7 @@ def table(runs: list[Run], setups: list[Setup]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "| --- | --- |" + " ---: |" * (len(COLUMNS) - 2)]
     for s in setups:
         plain = _stats([r for r in runs if (r.model, r.method) == (s.name, "plain")])
-        for method in METHODS:
+        for method in dict.fromkeys(r.method for r in runs if r.model == s.name):  # in the rounds' order
             mine = [r for r in runs if (r.model, r.method) == (s.name, method)]
             per_step, median, alloc, res = _stats(mine)
             ms = " | ".join(f"{1e3 * x:,.2f}" for x in (min(per_step), median, max(per_step)))
@@ -498,8 +499,8 @@ def section(runs: list[Run], setups: list[Setup], device: torch.device, rounds: 
              f"{budget:.0f} s budget) on {_device_text(device)}; Python {platform.python_version()}, torch "
              f"{torch.__version__}. What is measured: the docstring of `benchmarks/gpu.py`. {rounds} "
              f"interleaved rounds (plain, Forks, Engine, plain, ...); steps a run: {steps}; AdamW and "
-             "OneCycleLR; each method from the same initial weights on the same batches. No column for "
-             "Forks' batched path: hpx has no batched path yet.", ""]
+             "OneCycleLR; each method from the same initial weights on the same batches; Forks' batched "
+             "path (`batched=True`) for the mlp only.", ""]
     if device.type != "cuda":
         lines += [f"Not run on a GPU ({PLACEHOLDER}); this table checks the plumbing, not the numbers; "
                   "a CPU's memory is not measured.", ""]

@@ -322,7 +322,7 @@ def test_cuts_keep_the_best_scoring_forks_and_your_run():
 def test_a_cut_scores_a_copy_annealed_over_the_next_steps():
     """The score of a challenger at a cut is the probe loss of a copy of it trained on the next k
     batches with its lr multiple falling as (k - j) / (k + 1), j = 0..k-1; your run, kept at every
-    cut, has no copy and is scored as it is when the cut is decided."""
+    cut, has no copy and is not scored there (nan: no decision reads its score, issue 51)."""
     model = _net(p=0.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     forks = hpx.Forks(model, opt, total_steps=20, probe=PROBE, multiples=(0.1, 1.0, 10.0),
@@ -337,11 +337,9 @@ def test_a_cut_scores_a_copy_annealed_over_the_next_steps():
         for g in ref_opt.param_groups:
             g["lr"] = 0.005 * (3 - j) / 4
         _plain(ref, ref_opt, None, [b])
-    mine = _net(p=0.0)
-    _plain(mine, torch.optim.SGD(mine.parameters(), lr=0.05, momentum=0.9), None, BATCHES[:13])
     assert forks.history[0].values["lr"][:2] == [1.0, 0.1]
     assert forks.history[0].scores[1] == pytest.approx(_probe_loss(ref), rel=1e-6)
-    assert forks.history[0].scores[0] == pytest.approx(_probe_loss(mine), rel=1e-6)
+    assert math.isnan(forks.history[0].scores[0])
 
 
 def test_resume_mid_cut_is_bit_for_bit(tmp_path):
@@ -543,7 +541,7 @@ def _ranks(rank: int, world: int) -> dict:
 @pytest.mark.procs
 def test_forks_over_two_gloo_ranks_agree_and_match_one_process():
     out = run_distributed(_ranks, 2)
-    assert out[0]["history"] == out[1]["history"] and out[0]["factor"] == out[1]["factor"]
+    assert repr(out[0]["history"]) == repr(out[1]["history"]) and out[0]["factor"] == out[1]["factor"]
     assert all(torch.equal(a, b) for a, b in zip(out[0]["params"], out[1]["params"]))
     model = _net(p=0.0)
     forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), total_steps=20,
@@ -729,7 +727,7 @@ def test_save_and_load_checkpoint_resume_forks_bit_for_bit(tmp_path):
     for b in BATCHES[10:STEPS]:
         forks2.step(_loss, b)
     assert _same(model, model2) and forks.bases == forks2.bases
-    assert [r.scores for r in forks.history] == [r.scores for r in forks2.history]
+    assert repr([r.scores for r in forks.history]) == repr([r.scores for r in forks2.history])
 
 
 def test_a_blown_up_challenger_is_saved_and_a_refused_load_changes_nothing(tmp_path):

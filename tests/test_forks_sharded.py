@@ -133,7 +133,8 @@ def test_sharded_forks_take_the_same_decisions_and_end_at_the_same_weights(ranks
         assert sharded[0] == whole[0] and len(whole[0]) == 3  # two cuts and the end, the same choices
         assert any(d[3] != 1.0 for d in whole[0])  # a challenger won somewhere (confidence=0)
         for a, b in zip(sharded[1], whole[1]):
-            assert all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-6) for x, y in zip(a, b))
+            assert all(math.isclose(x, y, rel_tol=1e-4, abs_tol=1e-6) or (math.isnan(x) and math.isnan(y))
+                       for x, y in zip(a, b))  # nan: your run at a cut, not scored there
         assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(sharded[2], whole[2]))
     assert all(torch.equal(a, b) for r in ranks[1:] for a, b in zip(r["sharded"][2], ranks[0]["sharded"][2]))
 
@@ -152,7 +153,7 @@ def test_a_sharded_run_resumes_bit_for_bit(ranks):
     for r in ranks:
         assert r["resumed_at"] == 9
         decisions, scores, resumed, uninterrupted = r["resumed"]
-        assert decisions == r["sharded"][0] and scores == r["sharded"][1]
+        assert decisions == r["sharded"][0] and repr(scores) == repr(r["sharded"][1])
         assert all(torch.equal(a, b) for a, b in zip(resumed, uninterrupted))
 
 

@@ -16,6 +16,7 @@ import torch
 from benchmarks import gpu
 
 MODELS = ("lm", "cnn", "mlp")
+METHODS = {m: gpu.METHODS_OF.get(m, gpu.METHODS) for m in MODELS}  # the mlp's adds Forks' batched path
 ROUNDS = 2  # the tiny form's run here (the default is 3): enough to interleave, half the time
 
 
@@ -67,10 +68,10 @@ def test_the_table_has_min_median_max_and_the_ratio_of_medians(tiny):
                    "peak allocated MB", "peak reserved MB"):
         assert f"| {column} |" in header, header
     rows = _rows(text)
-    assert set(rows) == {(m, k) for m in MODELS for k in gpu.METHODS}, text
+    assert set(rows) == {(m, k) for m in MODELS for k in METHODS[m]}, text
     for model in MODELS:
         plain_median = _num(rows[(model, "plain")][3])
-        for method in gpu.METHODS:
+        for method in METHODS[model]:
             cells = rows[(model, method)]
             lo, median, hi, ratio = (_num(c) for c in cells[2:6])
             assert 0 < lo <= median <= hi and math.isfinite(hi), cells
@@ -87,16 +88,16 @@ def test_the_rounds_interleave_the_methods(tiny):
     calls = tiny["calls"]
     for model in MODELS:
         order = [method for name, method in calls if name == model]
-        assert order == list(gpu.METHODS) * ROUNDS, order  # plain, Forks, Engine, plain, ... not grouped
+        assert order == list(METHODS[model]) * ROUNDS, order  # plain, Forks, Engine, plain, ... not grouped
     # each model's rounds run together, in the order the table lists the models
-    assert [name for name, _ in calls] == [m for m in MODELS for _ in range(len(gpu.METHODS) * ROUNDS)]
+    assert [name for name, _ in calls] == [m for m in MODELS for _ in range(len(METHODS[m]) * ROUNDS)]
 
 
 def test_the_section_names_the_command_the_size_and_the_budget(tiny):
     text = tiny["out"]
     assert f"python -m benchmarks.gpu --device cpu --tiny --rounds {ROUNDS}" in text
     assert f"torch {torch.__version__}" in text and f"{ROUNDS} interleaved rounds" in text
-    assert "within the 480 s budget" in text and "no batched path yet" in text
+    assert "within the 480 s budget" in text and "path (`batched=True`) for the mlp only" in text
     heading = next(line for line in text.splitlines() if line.startswith("## "))
     assert "100 M" not in heading and heading.endswith(" M parameters"), heading  # the size that ran
     assert "steps a run: lm 12, cnn 12, mlp 48" in text
@@ -114,6 +115,9 @@ def test_forks_take_more_optimizer_steps_than_plain_training(tiny):
         assert int(rows[(model, "hpx.Forks")][11]) > plain
         assert int(rows[(model, "hpx.Engine")][11]) == gpu.REPLICAS * plain
     assert tiny["out"].count("cuts (to 3, then 2 forks) decided at steps [2, 4]") == 2, tiny["out"]
+    # the same steps on Forks' batched path, the steps of four forks or more batched, none fallen back
+    assert rows[("mlp", gpu.BATCHED)][11] == rows[("mlp", "hpx.Forks")][11]
+    assert "steps batched" in tiny["out"] and "fell back" not in tiny["out"], tiny["out"]
 
 
 def test_a_cpu_run_is_not_written_into_the_gpu_section(tiny):

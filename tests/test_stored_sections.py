@@ -259,3 +259,23 @@ def test_the_readmes_cost_with_knobs_is_the_stores():
                      r"benchmarks\.forks_knobs`\)", readme)
     assert said, "the README's Cost line names no figure with knobs"
     assert re.findall(r"(\d\.\d)x", said.group(1)) == [f"{r['steps']:.1f}" for r in rows if r["count"]]
+
+
+def test_the_forks_probe_section_is_its_committed_store_read():
+    """``python -m benchmarks.forks_probe --report-only``: the section from its committed store."""
+    from benchmarks import forks_probe
+
+    if not forks_probe.STORE.exists():
+        pytest.skip(f"not committed yet: {_store.shown(forks_probe.STORE)} (`{forks_probe.COMMAND}`)")
+    text = forks_probe.stored_section(json.loads(forks_probe.STORE.read_text()))
+    assert committed(forks_probe.MARKER) == f"\n{text.strip()}\n"
+
+
+def test_the_forks_batched_section_is_its_committed_store_read():
+    """``python -m benchmarks.forks_batched --report-only``: the section from the committed store alone
+    (hpx.Forks(batched=True) against the sequential forks, measured on one machine)."""
+    from benchmarks import forks_batched
+
+    assert forks_batched.STORE.exists(), f"{forks_batched.STORE} is missing: run `{forks_batched.COMMAND}`"
+    text = forks_batched.stored_section(json.loads(forks_batched.STORE.read_text()))
+    assert committed(forks_batched.MARKER) == f"\n{text.strip()}\n"

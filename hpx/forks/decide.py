@@ -52,18 +52,18 @@ class _Decisions:
     def _cut(self, keep: int, scored: list[Any]) -> None:
         """Keep the ``keep`` forks whose ``scored`` stand-ins (themselves or annealed copies) score
         best on the probe (ties: the nearer to your run), your run always among them."""
-        live = [c for c in scored if c is not _LOST]
-        found = iter(self._scores(live) if live else [])
-        scores = [math.inf if c is _LOST else next(found) for c in scored]
+        scores, read = self._cut_scores(scored)  # yours only where a decision reads it (else nan)
         if self._agreed(not any(map(math.isfinite, scores))):  # no stand-in is finite: are the forks?
             self._raise_if_all_lost(self._scores(self._forks))  # then nothing is left to train: say so now
-        order = _ranked(scores, [f.distance(self._bases) for f in self._forks])[:keep]
+        ranked = scores if read else [-math.inf, *scores[1:]]  # the challengers kept do not depend on it
+        order = _ranked(ranked, [f.distance(self._bases) for f in self._forks])[:keep]
         if 0 not in order:
             order = [*order[: keep - 1], 0]
         order = [i for i in order if i == 0 or math.isfinite(scores[i])]  # a blown-up challenger goes
         order += [i for i, f in enumerate(self._forks) if f.late and i not in order]  # to the end uncut
-        self._check_probe_loss(scores[0])
-        order, lost = self._agreed((sorted(order), not math.isfinite(scores[0])))
+        if read:
+            self._check_probe_loss(scores[0])
+        order, lost = self._agreed((sorted(order), read and not math.isfinite(scores[0])))
         if lost:
             self._forks[0].lost = True  # kept for the final comparison, no longer trained
         rec = self._record("cut", scores, order)

@@ -1,6 +1,23 @@
 """What hpx.Forks reads from the probe, and what it checks across ranks: each fork's probe losses
 (per batch or per example), taken without leaving a trace on the models scored, and the checks that
-make a wrong loss_fn, batch or probe an error at the first step rather than a wrong decision later."""
+make a wrong loss_fn, batch or probe an error at the first step rather than a wrong decision later.
+
+The probe's cost: each pass scores only what a decision reads. A pass is one fork's forward on
+every probe row (eval mode, no gradients); at the defaults (5 forks, cuts to 3 and 2, no knobs) a
+run makes 9: the initial weights (1: the end's lost-run test reads it, and the pass checks the
+loss and the batches), the challengers' annealed copies at the first cut (4) and the second (2),
+and your run and the challenger at the end (2). The end's test reads that pass when the loss gives
+one loss per example; with a mean loss it scores each example of the two alone, where a challenger
+scored best (2 more, by vmap: 11), not each batch whole again. A cut keeps your run whatever its
+score, so it scores it only where a decision reads it: its weights or floating buffers hold a
+non-finite value (is it lost?), or no challenger scored finite (is every fork lost?); the cut's
+record holds ``nan`` for it otherwise. The knob forks add one pass each at the end (two at the
+defaults). A row's pass cost about 0.2x a training example's step (forward, backward, optimizer
+step) on an MLP on a CPU, so a probe of R rows costs a run about 9 x 0.2 x R = 2R training
+examples: a 5,000-row probe on a 40-step run of 256-row batches was 20% of Forks' CPU time (25%
+with a mean loss; ``python -m benchmarks.forks_probe``). The batches are given to the loss as the probe holds
+them: a loss that moves them to the device moves each batch once per fork scored, so give a probe
+already on the device."""
 
 from __future__ import annotations
 
@@ -15,9 +32,10 @@ import torch
 
 from hpx import _checks
 from hpx._batch import _split
+from hpx.averaging import local
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError, ConsistencyError
-from hpx.forks.fork import _device, _Fork, _rng_get, _rng_set, _unreached, paired_gain
+from hpx.forks.fork import _LOST, _device, _Fork, _rng_get, _rng_set, _unreached, paired_gain
 from hpx.forks.ranks import _APART
 from hpx.signals import LossFn, _all_leaves, _leaves
 
@@ -74,7 +92,7 @@ _STEP_FN = ("the loss_fn given to forks.step() or forks.backward() (it scores th
 
 def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collective: Collective, units: bool,
                  averaged: list[_Fork], first: bool = False, skip: set[int] | None = None,
-                 vectorize: list[bool | None] | None = None, who: str = _PROBE_FN,
+                 vectorize: list[bool | None] | None = None, who: str = _PROBE_FN, scalar: bool = False,
                  ) -> list[list[torch.Tensor]]:
     """Each fork's probe loss per batch (a scalar) or per example, in eval mode, without touching
     the global random stream; per example for every batch with ``units`` (a loss that gives one
@@ -87,7 +105,10 @@ def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collectiv
     or mislead later: a batch it changes, and a mean it could not give one example at a time.
     ``vectorize`` holds whether such a mean is evaluated for all of a batch's examples at once
     (:func:`_each_example`): ``[None]`` until the first batch decides it. ``who``: the loss as an
-    error names it (the probe's own, or the training loss that also scores the probe)."""
+    error names it (the probe's own, or the training loss that also scores the probe). ``scalar``
+    (with ``units``): the loss is known to give one number per batch (it did on every batch of a
+    pass just made), so a batch of several examples goes straight to its examples, not first
+    scored whole again for a number that would be thrown away."""
     dev = _device(forks[0].model)
     keep = _rng_get(dev)
     for f in forks:
@@ -102,10 +123,11 @@ def probe_losses(forks: list[_Fork], probe: Iterable[Any], fn: LossFn, collectiv
             for i, b in enumerate(probe):
                 rows, before = _rows(b), _layout(b) if first else None
                 for f, mine in zip(forks, out):
-                    v = _scalar_or_rows(_probed(fn, f, b, i, who, first), who)
-                    if first and i == 0 and v.numel() == 1 and rows > 1:
+                    whole = not (units and scalar and rows > 1)  # else the batch's number is known unread
+                    v = _scalar_or_rows(_probed(fn, f, b, i, who, first), who) if whole else None
+                    if v is not None and first and i == 0 and v.numel() == 1 and rows > 1:
                         ConfigError.check(_one_example_problems(f, fn, b, rows, who))
-                    if units and v.numel() == 1 and rows > 1:  # each example on its own
+                    if v is None or (units and v.numel() == 1 and rows > 1):  # each example on its own
                         held = vectorize if vectorize is not None else [False]
                         v = _each_example(fn, f, b, rows, held, who)
                     mine.append(v.detach().to("cpu", torch.float64))
@@ -312,7 +334,7 @@ def _average_buffers(model: torch.nn.Module, collective: Collective, skip: set[i
 
 class _Scoring:
     """The probe's scores of forks, for :class:`hpx.Forks` (a mixin: it reads the search's probe,
-    loss and collective)."""
+    loss and collective). Each pass scores only what a decision reads (the module's docstring)."""
 
     _forks: Any
     _probe: Any
@@ -324,40 +346,94 @@ class _Scoring:
     _probe_units: int
     _vectorize: list[bool | None]  # whether a mean probe loss is evaluated per example by vmap
     collective: Any
+    _every_pass = False
+    """``True``: the probe passes hpx made before issue 51 (your run scored at every cut for the
+    record, a mean loss scored whole again in the end's test): the same decisions, more passes. Kept
+    to show that they are the same (``tests/test_forks_probe_cost.py``) and what they cost
+    (``benchmarks/forks_probe.py``)."""
 
-    def _probe_losses(self, forks: list[_Fork], units: bool, first: bool = False) -> list[list[torch.Tensor]]:
-        """Each fork's probe loss per batch (a scalar) or per example (``units``): see
-        :func:`probe_losses`. Your run's buffers are left as they are when a framework
-        trains it (its own data-parallel wrapper keeps them)."""
+    def _probe_losses(self, forks: list[_Fork], units: bool, first: bool = False, average: bool = True,
+                      scalar: bool = False) -> list[list[torch.Tensor]]:
+        """Each fork's probe loss per batch (a scalar) or per example (``units``; ``scalar``: the
+        loss gives one number per batch): see :func:`probe_losses`. Under torch.distributed the
+        forks' floating buffers are averaged over the ranks first (not with ``average=False``: they
+        were just now); your run's are left as they are when a framework trains it (its own
+        data-parallel wrapper keeps them)."""
         assert self._probe_fn is not None
-        averaged = [f for f in forks if not (self._outside and f is self._forks[0])]
         who = _PROBE_FN if self._probe_given else _STEP_FN
-        return probe_losses(forks, self._probe, self._probe_fn, self.collective, units, averaged, first,
-                            skip={id(t) for _, t, _ in self._shared.buffers}, vectorize=self._vectorize,
-                            who=who)
+        return probe_losses(forks, self._probe, self._probe_fn, self.collective, units,
+                            self._averaged(forks) if average else [], first, skip=self._kept_buffers(),
+                            vectorize=self._vectorize, who=who, scalar=scalar)
 
-    def _scores(self, forks: list[_Fork], first: bool = False) -> list[float]:
+    def _averaged(self, forks: list[_Fork]) -> list[_Fork]:
+        """The forks whose buffers scoring averages over the ranks: all but your run when a framework
+        trains it."""
+        return [f for f in forks if not (self._outside and f is self._forks[0])]
+
+    def _kept_buffers(self) -> set[int]:
+        """The buffers every fork holds once (never written by a step: alike on every rank)."""
+        return {id(t) for _, t, _ in self._shared.buffers}
+
+    def _scores(self, forks: list[_Fork], first: bool = False, average: bool = True) -> list[float]:
         """Each fork's probe loss: the mean over examples (a loss that gives them) or over batches;
         ``inf`` when it is not finite (``nan`` stays on the ``first`` pass, which checks the loss)."""
-        return self._scored(forks, first)[0]
+        return self._scored(forks, first, average)[0]
 
-    def _scored(self, forks: list[_Fork], first: bool = False
+    def _scored(self, forks: list[_Fork], first: bool = False, average: bool = True
                 ) -> tuple[list[float], list[list[torch.Tensor]]]:
         """:meth:`_scores`, and the probe's losses they were taken from (per batch or per example)."""
         if self._apart is not None and bool(self._apart):  # a decision's host read: not per step
             raise ConsistencyError(_APART)
         if first:  # the first pass's collectives follow: every rank must be starting its first step
             self._check_started()
-        found = self._probe_losses(forks, units=False, first=first)
+        found = self._probe_losses(forks, units=False, first=first, average=average)
         return [mean_score(parts, first) for parts in found], found
+
+    def _cut_scores(self, scored: list[Any]) -> tuple[list[float], bool]:
+        """A cut's scores of its stand-ins ``scored`` (your run first; ``_LOST``: ``inf``), and whether
+        your run's was taken. A cut keeps your run whatever its score, so its score is taken only
+        where a decision reads it: when your run's trainable weights or floating buffers hold a
+        non-finite value (is it lost?), or no challenger's stand-in scored finite (is every fork
+        lost?). Else it is ``nan`` (the record says so), and what scoring it would have left on it
+        stays done: under torch.distributed its floating buffers are averaged over the ranks."""
+        yours = scored[0]
+        read = self._every_pass or yours is _LOST or yours.lost or not self._finite_state(yours)
+        if not read and self.collective.world_size > 1 and self._averaged([yours]):
+            _average_buffers(yours.model, self.collective, self._kept_buffers())
+        rest = scored if read else scored[1:]
+        live = [c for c in rest if c is not _LOST]
+        found = iter(self._scores(live) if live else [])
+        scores = [math.inf if c is _LOST else next(found) for c in rest]
+        if read:
+            return scores, True
+        if self._agreed(not any(map(math.isfinite, scores))):  # no challenger finite: yours is read
+            return [self._scores([yours], average=False)[0], *scores], True
+        return [math.nan, *scores], False
+
+    def _finite_state(self, f: _Fork) -> bool:
+        """Whether every trainable weight and floating buffer of ``f`` is finite (on every rank: one
+        all-reduce under torch.distributed; a host read, at a decision)."""
+        model = f.model
+        held = [local(p) for p in model.parameters() if p.requires_grad]
+        held += [local(b) for b in model.buffers() if b.is_floating_point()]
+        held = [t for t in held if t.numel()]
+        dev = _device(model)
+        bad = (torch.stack([~torch.isfinite(t).all() for t in held]).sum().double().reshape(1) if held
+               else torch.zeros(1, dtype=torch.float64, device=dev))
+        if self.collective.world_size > 1:  # a sharded run: every rank's part
+            self.collective.all_reduce_sum_([bad])
+        return float(bad) == 0
 
     def _gain(self, a: _Fork, b: _Fork, held: tuple[Any, Any] = (None, None)) -> float:
         """How many standard errors ``a`` scores below ``b`` on the probe, example by example: from
         ``held``, their losses from a pass just made, when the loss gave one per example (so the
-        end reads the probe once), else from a pass that takes each example alone."""
+        end reads the probe once), else from a pass that takes each example alone (where that pass
+        gave one number per batch, not scoring each batch whole again)."""
         pa, pb = held
         if pa is None or pb is None or any(p.numel() == 1 for p in pa + pb):
-            pa, pb = self._probe_losses([a, b], units=True)
+            scalar = (pa is not None and pb is not None and all(p.numel() == 1 for p in pa + pb)
+                      and not self._every_pass)
+            pa, pb = self._probe_losses([a, b], units=True, scalar=scalar)
         la, lb = torch.cat([p.reshape(-1) for p in pa]), torch.cat([p.reshape(-1) for p in pb])
         self._probe_units = len(la)  # for the log line: what the test had to go on
         return paired_gain(la, lb)

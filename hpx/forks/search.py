@@ -13,8 +13,8 @@ cut scored on held-out batches (``probe``) at a copy of every challenger anneale
 of the run (the copies train alongside the forks on the same batches and are dropped once scored,
 so a cut is decided 5% of the run after it starts; a copy's lr multiple is taken linearly to 0:
 the fork as it would end if the run ended there). Your run survives every cut, so it needs no
-copy: it is scored as it is, for the record. At the end of the run the challenger replaces your
-run only if it scores better on the probe by ``confidence`` (2) standard errors of the
+copy; it is scored there only if a decision reads it (else ``nan``). At the end the challenger
+replaces your run only if it scores better on the probe by ``confidence`` (2) standard errors of the
 per-example difference of their losses, or if your run ended no better on the probe than the
 initial weights did (a lost run) while the challenger did. The winner's model, optimizer and
 scheduler state are then loaded into your objects: after the last step ``forks.model`` is your
@@ -62,6 +62,7 @@ from hpx import _checks
 from hpx.backends import default_backend
 from hpx.backends.base import Collective
 from hpx.errors import ConfigError
+from hpx.forks.batched import Batched, batched_problems
 from hpx.forks.decide import _Decisions
 from hpx.forks.early import early_path, train_each
 from hpx.forks.faults import _Faults
@@ -170,11 +171,15 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
             pointed at its sharded parameters, so build Forks before the first step) and to every
             fork and annealed copy, so each rank holds 1/W of each. Pass the bare model. A
             checkpoint resumes only on the layout it was saved with.
+        batched: past the first step of ``step`` in one process, train a small model's forks and copies
+            as one ``torch.func.vmap`` computation (a step of four or more): equal within float tolerance,
+            faster where a fork's step is overhead-bound; what it cannot take exactly falls back, with one
+            warning (:mod:`hpx.forks.batched`). Not with ``shard=``, ``knobs=`` or torch.distributed.
 
     Attributes:
         history: a :class:`~hpx.SyncRecord` per decision (``phase`` ``"cut"`` or ``"end"``;
-            ``values["lr"]`` the multiples scored, ``scores`` their probe losses, ``bases["lr"]``
-            the multiple the run trains at after it).
+            ``values["lr"]`` the multiples scored, ``scores`` their probe losses (your run's ``nan``
+            at a cut, which keeps it unscored), ``bases["lr"]`` the multiple the run trains at after it).
         factor: the lr multiple your run trains at: 1 until the end, then the winner's (``m``).
         values: the other knobs' values your run trains at (``{name: value}``), the winner's after
             the end.
@@ -216,6 +221,7 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
         on_sync: Callable[[SyncRecord], Any] | Sequence[Callable[[SyncRecord], Any]] = (),
         share: bool = True,
         shard: Callable[[torch.nn.Module], Any] | None = None,
+        batched: bool = False,
         **unknown: Any,
     ) -> None:
         self._t0 = time.perf_counter()
@@ -240,6 +246,7 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
                      for _ in [0] if not (isinstance(knob_start, Real) and 0 <= knob_start < 1)]
         problems += [f"knob_design must be one of {', '.join(map(repr, DESIGNS))} (got "
                      f"{_checks.shown(knob_design)})" for _ in [0] if knob_design not in DESIGNS]
+        problems += batched_problems(batched, shard, knobs, backend)
         ConfigError.check(problems)
         assert isinstance(optimizer, torch.optim.Optimizer)
         self.collective: Collective = backend if backend is not None else default_backend()
@@ -272,6 +279,7 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
         ranks_start_alike(self, model, optimizer)
         # sharded forks: your model sharded in place, every other fork a sharded copy (_fork_shard)
         self._sharder = None if shard is None else _Sharder(model, optimizer, shard)
+        self._batched = Batched() if batched is True else None  # the forks as one computation (batched=)
         self._shared = _Shared(model, share)  # what every fork holds once: frozen, then unwritten buffers
         if self._sharder is not None:  # FSDP shards a frozen parameter with the rest, per fork
             self._shared.params = []
@@ -326,14 +334,16 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
     def step(self, loss_fn: LossFn, batch: Any) -> torch.Tensor:
         """One optimizer step of every fork on the whole ``batch``: :meth:`backward`, then
         :meth:`optimizer_step`, bit for bit. Returns the forks' losses (``[F]``, on device, in
-        :attr:`factors` order: your run's first). In one process, past the first step, each fork
-        is stepped right after its own backward and its gradients freed (``.grad`` is ``None`` after
-        it): one fork's gradients alive at a time. A fork that fails after others stepped stops
-        the run (:mod:`hpx.forks.early`: to skip failing batches, call backward, optimizer_step)."""
+        :attr:`factors` order: your run's first). Past the first step (without ``shard=``), each fork
+        is stepped right after its backward (and its gradients' mean over the ranks), its gradients
+        then freed (``.grad`` is ``None`` after it). A fork that fails after others stepped stops the
+        run (:mod:`hpx.forks.early`: to skip failing batches, call backward, optimizer_step)."""
         if not early_path(self):
             losses = self.backward(loss_fn, batch)
             self.optimizer_step()
             return losses
+        if self._batched is not None and (losses := self._batched.step(self, loss_fn, batch)) is not None:
+            return losses  # batched=True: every fork in one torch.func computation (hpx.forks.batched)
         losses = self._backward(loss_fn, batch, 1.0, None, early=True)
         self._stepped(self._trained())
         return losses

@@ -104,7 +104,7 @@ def test_resume_mid_cut_from_another_output_dir_continues_exactly(tmp_path):
         again = _forks(tmp_path / "b", 60, 1e-4, dropout=0.1, save_strategy="steps", save_steps=16)
         again.train(resume_from_checkpoint=str(tmp_path / "a" / "checkpoint-16"))
     assert again.forks.factor == first.forks.factor and again.forks.fork_steps == first.forks.fork_steps
-    assert [r.scores for r in again.forks.history] == [r.scores for r in first.forks.history]
+    assert repr([r.scores for r in again.forks.history]) == repr([r.scores for r in first.forks.history])
     assert _same(again, first)
 
 
@@ -172,18 +172,24 @@ def test_two_processes_train_every_fork_data_parallel_and_agree(tmp_path):
     ranks = run_distributed(forks_two_ranks, 2, str(tmp_path), timeout=240)
     for r in ranks:
         assert r["world"] == 2 and r["factor"] == 16.0 and r["steps"] == [6, 12, 40]
-    assert ranks[0]["scores"] == ranks[1]["scores"] and ranks[0]["fork_steps"] == ranks[1]["fork_steps"]
+    assert repr(ranks[0]["scores"]) == repr(ranks[1]["scores"])  # repr: nan (your run at a cut) alike
+    assert ranks[0]["fork_steps"] == ranks[1]["fork_steps"]
     assert ranks[0]["params"] == ranks[1]["params"]  # DDP for your run, hpx for the others: one model
 
 
 def test_the_example_prints_the_forks_decisions_and_both_accuracies(tmp_path):
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, str(root / "examples" / "hf_digits.py"), "--steps", "300", "--out", str(tmp_path)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    # 150 steps (the cuts at 23 and 46): the 10x fork wins and beats plain training by 0.2 of accuracy
+    # on the test digits (at 300 steps by 0.1). One torch thread: the example's MLP is small, and its
+    # second thread tripled the process's CPU time.
+    cmd = [sys.executable, str(root / "examples" / "hf_digits.py"), "--steps", "150", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     lines = (out.stdout + out.stderr).splitlines()
     decisions = [line for line in lines if line.startswith("forks at step")]
@@ -283,7 +289,7 @@ def test_a_model_returning_loss_then_logits_as_a_tuple_is_probed_as_the_trainer_
     t = ForksTrainer(model=_Tuples(), args=forks_args(tmp_path, 20, 1e-3), train_dataset=train_set(),
                      probe=probe(), forks={"multiples": POW2})
     t.train()
-    assert t.forks.decided and all(math.isfinite(s) for s in t.forks.history[0].scores)
+    assert t.forks.decided and all(math.isfinite(s) for s in t.forks.history[0].scores[1:])
 
 
 def test_a_knob_only_your_loss_could_read_is_refused_by_the_trainer(tmp_path):
