@@ -4,12 +4,17 @@
     python -m benchmarks.forks_memory --no-write
     python -m benchmarks.forks_memory --report-only  # the section again from the committed store
 
-Two models on scikit-learn's bundled digits (64 features, batches of 64), AdamW with OneCycleLR:
+Four models, AdamW with OneCycleLR; the MLPs on scikit-learn's bundled digits (64 features,
+batches of 64), the LM on the bytes of CPython's ``pydoc_data.topics`` (batches of 16 x 64):
 
 * **full**: an MLP of about 11 M parameters (64 -> 1920 x 4 -> 10), every parameter trained;
 * **frozen base**: the same 11 M MLP frozen (``requires_grad=False``; the optimizer is built on
   ``model.parameters()`` all the same, as fine-tuning code often does) under a trainable head of
-  0.5 M parameters.
+  0.5 M parameters;
+* **lm**: a causal transformer LM of about 5 M parameters (bytes, d_model 256, 6 pre-norm layers of
+  4 heads, context 64), every parameter trained;
+* **lora**: the 11 M MLP's linear layers frozen, each beside a trainable low-rank adapter of rank 8
+  (LoRA-style: ``base(x) + x A B``), and a trainable head: 0.1 M parameters trained.
 
 Each configuration runs in a fresh process: plain training (a hand-written loop), and
 ``hpx.Forks`` at its defaults for 40 optimizer steps (so both cuts and their annealed windows fall
@@ -51,7 +56,12 @@ DOC = ROOT / "docs" / "benchmarks.md"
 MARKER = "forks-memory"
 STORE = _store.STORED / "forks_memory.json"
 COMMAND = "python -m benchmarks.forks_memory"
-KINDS = ("full", "frozen")
+KINDS = ("full", "frozen", "lm", "lora")
+LABELS = {"full": "MLP, every parameter trained", "frozen": "the same MLP frozen, a trainable head",
+          "lm": "transformer LM, every parameter trained",
+          "lora": "the MLP's linears frozen beside rank-8 adapters (LoRA-style), a trainable head"}
+CONTEXT = 64  # the LM's tokens a sequence
+LM_BATCH = 16
 METHODS = ("plain", "forks")
 STEPS = 40
 WIDTH = 1920
@@ -67,14 +77,64 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field} (this benchmark needs Linux)")
 
 
+class _Adapted(nn.Module):
+    """A frozen linear layer beside a trainable low-rank adapter: ``base(x) + x A B`` (B starts at 0)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 8) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.a = nn.Parameter(torch.randn(base.in_features, rank) / base.in_features ** 0.5)
+        self.b = nn.Parameter(torch.zeros(rank, base.out_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a) @ self.b
+
+
+class _LM(nn.Module):
+    """A pre-norm causal transformer LM over bytes."""
+
+    def __init__(self, d: int = 256, layers: int = 6, heads: int = 4) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(256, d), nn.Parameter(torch.zeros(CONTEXT, d))
+        layer = nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, norm_first=True)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d, 256)
+        causal = nn.Transformer.generate_square_subsequent_mask(CONTEXT)
+        self.register_buffer("mask", causal, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        h = self.body(self.embed(x) + self.pos[:n], mask=self.mask[:n, :n], is_causal=True)
+        return self.head(h)
+
+
 def _model(kind: str, width: int) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "lm":
+        return _LM()
     base = nn.Sequential(nn.Linear(64, width), nn.ReLU(), *[m for _ in range(3) for m in
                                                             (nn.Linear(width, width), nn.ReLU())])
     if kind == "full":
         return nn.Sequential(base, nn.Linear(width, 10))
-    base.requires_grad_(False)
+    if kind == "lora":
+        base = nn.Sequential(*[_Adapted(m) if isinstance(m, nn.Linear) else m for m in base])
+    else:
+        base.requires_grad_(False)
     return nn.Sequential(base, nn.Linear(width, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def _loss(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    out = model(b[0])
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), b[1].reshape(-1))
+
+
+def _text() -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of CPython's pydoc topics as bytes: inputs and next-byte targets."""
+    from pydoc_data.topics import topics
+
+    ids = torch.tensor(list("".join(topics.values()).encode("utf-8")), dtype=torch.long)
+    n = (len(ids) - 1) // CONTEXT
+    return ids[:n * CONTEXT].reshape(n, CONTEXT), ids[1:n * CONTEXT + 1].reshape(n, CONTEXT)
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,16 +165,17 @@ def _child(kind: str, method: str, steps: int, width: int) -> None:
                 for layer in [m for m in m.modules() if isinstance(m, nn.Linear)]:
                     fully_shard(layer, mesh=mesh)
                 fully_shard(m, mesh=mesh)
-    x, y = _data()
+    x, y = _text() if kind == "lm" else _data()
+    size, held = (LM_BATCH, 16) if kind == "lm" else (BATCH, 256)
     g = torch.Generator().manual_seed(0)
-    order = torch.randperm(len(x) - 256, generator=g)  # the last 256 rows are the probe
-    batches = [(x[order[i:i + BATCH]], y[order[i:i + BATCH]]) for i in range(0, BATCH * steps, BATCH)
-               if i + BATCH <= len(order)]
+    order = torch.randperm(len(x) - held, generator=g)  # the last rows are the probe
+    batches = [(x[order[i:i + size]], y[order[i:i + size]]) for i in range(0, size * steps, size)
+               if i + size <= len(order)]
     while len(batches) < steps:
         batches += batches[: steps - len(batches)]
-    part = BATCH // world  # under torchrun each rank trains on its part of every batch
+    part = size // world  # under torchrun each rank trains on its part of every batch
     batches = [(bx[rank * part:(rank + 1) * part], by[rank * part:(rank + 1) * part]) for bx, by in batches]
-    probe = [(x[-256:], y[-256:])]
+    probe = [(x[-held:], y[-held:])]
     base = _status("VmRSS")
     model = _model(kind, width)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -122,7 +183,7 @@ def _child(kind: str, method: str, steps: int, width: int) -> None:
     if method == "plain":
         for b in batches:
             opt.zero_grad()
-            F.cross_entropy(model(b[0]), b[1]).backward()
+            _loss(model, b).backward()
             opt.step()
             sched.step()
         extra = {}
@@ -130,7 +191,7 @@ def _child(kind: str, method: str, steps: int, width: int) -> None:
         forks = hpx.Forks(model, opt, total_steps=steps, schedule=sched, probe=probe, backend=backend,
                           shard=shard)
         for b in batches:
-            forks.step(lambda rep, bb: F.cross_entropy(rep.model(bb[0]), bb[1]), b)
+            forks.step(lambda rep, bb: _loss(rep.model, bb), b)
         forks.converge()
         extra = {"fork_steps": forks.fork_steps}
     peak = _status("VmHWM") - base  # read before the model is built again, for its counts
@@ -183,10 +244,9 @@ def section(res: dict, command: str, wall: float, on: str | None = None) -> str:
              f"baseline; AdamW, {STEPS} steps, Forks at its defaults).", "",
              "| model | parameters (trained) | plain MiB | Forks MiB | Forks / plain |",
              "| --- | ---: | ---: | ---: | ---: |"]
-    for kind in KINDS:
+    for kind in [k for k in KINDS if k in res]:  # a store made before a kind was added lacks its row
         p, f = res[kind]["plain"], res[kind]["forks"]
-        label = "MLP, every parameter trained" if kind == "full" else "the same MLP frozen, a trainable head"
-        lines.append(f"| {label} | {p['params'] / 1e6:.1f} M ({p['trained'] / 1e6:.2f} M) | "
+        lines.append(f"| {LABELS[kind]} | {p['params'] / 1e6:.1f} M ({p['trained'] / 1e6:.2f} M) | "
                      f"{p['bytes'] / mib:.0f} | {f['bytes'] / mib:.0f} | {f['bytes'] / p['bytes']:.2f} |")
     if "ranks" in res:
         one, plain = res["full"]["forks"]["bytes"], res["full"]["plain"]["bytes"]

@@ -279,3 +279,13 @@ def test_the_forks_batched_section_is_its_committed_store_read():
     assert forks_batched.STORE.exists(), f"{forks_batched.STORE} is missing: run `{forks_batched.COMMAND}`"
     text = forks_batched.stored_section(json.loads(forks_batched.STORE.read_text()))
     assert committed(forks_batched.MARKER) == f"\n{text.strip()}\n"
+
+
+def test_the_readmes_memory_figures_are_the_stores():
+    """The README's first screen: Forks' peak memory over plain training's, from forks_memory's store."""
+    res = json.loads(forks_memory.STORE.read_text())["res"]
+    ratio = {k: res[k]["forks"]["bytes"] / res[k]["plain"]["bytes"] for k in ("full", "frozen", "lora")}
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert (f"Its peak memory is {ratio['full']:.1f}x plain training's for a model trained whole, "
+            f"{ratio['frozen']:.1f}x with a frozen base (held once for every fork), "
+            f"{ratio['lora']:.1f}x with LoRA-style adapters") in readme
