@@ -74,7 +74,8 @@ def main() -> None:
         return F.cross_entropy(rep.model(x), y)
 
     def decided(rec: hpx.SyncRecord) -> None:  # called at each cut and at the end
-        scored = ", ".join(f"{m * args.lr:.3g}: {s:.4f}" for m, s in zip(rec.values["lr"], rec.scores))
+        scored = ", ".join(f"{m * args.lr:.3g}: " + ("kept" if s != s else f"{s:.4f}")  # nan: your run, kept
+                           for m, s in zip(rec.values["lr"], rec.scores))
         print(f"step {rec.step:5d}  {rec.phase:4s} probe loss by lr  {scored}  -> keeps lr "
               f"{rec.bases['lr'] * args.lr:.3g}" if rec.phase == "end" else
               f"step {rec.step:5d}  {rec.phase:4s} probe loss by lr  {scored}")

@@ -81,7 +81,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device,
 
     def decided(rec: hpx.SyncRecord) -> None:
         if rank == 0:
-            scored = ", ".join(f"{m * args.lr:.3g}: {s:.4f}" for m, s in zip(rec.values["lr"], rec.scores))
+            scored = ", ".join(f"{m * args.lr:.3g}: " + ("kept" if s != s else f"{s:.4f}")  # nan: yours
+                               for m, s in zip(rec.values["lr"], rec.scores))
             print(f"step {rec.step:5d}  {rec.phase:4s} probe loss by lr  {scored}", flush=True)
 
     shard = None

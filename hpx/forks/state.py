@@ -62,7 +62,7 @@ class _State(_Checkpointed):
         names = [_fork_label(f.setting(), self._bases) for f in self._forks]
         if self.collective.rank == 0:  # one line per decision, not one per rank
             log.info("forks at step %d (%s): %s scored %s; kept %s%s", self.step_count, phase, names,
-                     [round(s, 4) for s in scores], kept_m, why)
+                     ["kept" if math.isnan(s) else round(s, 4) for s in scores], kept_m, why)
         return rec
 
     def _notify(self, rec: SyncRecord) -> None:
