@@ -38,7 +38,11 @@ import torch.distributed as dist
 __all__ = ["RemoteTraceback", "free_port", "run_distributed"]
 
 # What the fork server imports once, before it forks any rank: the imports every rank pays.
-_PRELOAD = ["torch", "torch.distributed", "hpx", "pytest", "sklearn.datasets", "tests._dist"]
+# torch._dynamo: the first optimizer a process builds imports it (torch.optim.Optimizer.__init__ is
+# wrapped by torch._compile's disable decorator), about 800 modules and 2.5 s of CPU per rank and
+# launch left to the ranks. hpx's routes and checkpoint files are imported lazily by ``import hpx``.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hpx", "hpx.engine", "hpx.forks", "hpx.checkpoint",
+            "pytest", "sklearn.datasets", "tests._dist"]
 
 _POLL_SECONDS = 0.02
 # After a first failure, how long to let the other ranks fail too before choosing

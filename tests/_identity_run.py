@@ -1,9 +1,12 @@
 """Train a fixed set of scenarios with whatever ``hpx`` is importable and save every replica's
-final weights, buffers, knob bases and history lengths: ``python _identity_run.py OUT WORLD``.
+final weights, buffers, knob bases and history lengths: ``python _identity_run.py OUT WORLD...``.
 
 Run once with the code as it was before a restructuring and once with the code after it
 (``tests/test_identity.py``): equal outputs bit for bit mean the move changed no behaviour.
-With ``WORLD`` > 1 it runs the scenarios on that many gloo processes on localhost.
+Each ``WORLD`` in turn, in one launch: 1 runs the scenarios in this process, more runs them on that
+many gloo processes on localhost, forked from this one (which has imported torch and hpx: a fresh
+process per rank would import them again). ``OUT`` holds ``{world: outputs}``, a list of the ranks'
+outputs for a world of several.
 """
 
 from __future__ import annotations
@@ -108,25 +111,26 @@ def _rank(rank: int, world: int, port: int, path: str) -> None:
 
 
 def main() -> None:
-    path, world = sys.argv[1], int(sys.argv[2])
+    path, worlds = sys.argv[1], [int(w) for w in sys.argv[2:]]
     torch.set_num_threads(1)
     import hpx
 
     print(hpx.__file__)  # which code ran
-    if world == 1:
-        import hpx
+    out = {}
+    for world in worlds:
+        if world == 1:
+            out[world] = _scenarios(hpx, None, 3)
+            continue
+        import socket
 
-        torch.save(_scenarios(hpx, None, 3), path)
-        return
-    import socket
+        import torch.multiprocessing as mp
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(world, port, path), nprocs=world)
-    torch.save([torch.load(f"{path}.{r}") for r in range(world)], path)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_rank, args=(world, port, path), nprocs=world, start_method="fork")
+        out[world] = [torch.load(f"{path}.{r}") for r in range(world)]
+    torch.save(out, path)
 
 
 if __name__ == "__main__":

@@ -99,16 +99,24 @@ def _child_saves(root: str, then: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _start(root: Path, then: str) -> subprocess.Popen:
+def _launch(root: Path, then: str) -> subprocess.Popen:
+    """The other process started; :func:`_saved` waits for its save."""
     code = f"from tests.test_checkpoint_lock import _child_saves; _child_saves({str(root)!r}, {then!r})"
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+
+
+def _saved(proc: subprocess.Popen) -> subprocess.Popen:
     line = proc.stdout.readline()
     if line.strip() != "saved":
         proc.kill()
         raise AssertionError(f"the other process did not save: {proc.communicate()[1][-3000:]}")
     return proc
+
+
+def _start(root: Path, then: str) -> subprocess.Popen:
+    return _saved(_launch(root, then))
 
 
 def test_a_second_live_process_is_refused_naming_the_holder_and_nothing_changes(tmp_path, caplog):
@@ -154,8 +162,11 @@ def test_a_killed_process_lock_is_taken_over_and_an_exited_one_released(tmp_path
     """A run SIGKILLed after its save leaves its lock: a new process resumes (its load and save take
     the lock over, logged at info); a run that ends normally leaves none. A lock naming a live PID
     that runs another program (the PID reused: another start time) is stale too."""
-    killed = tmp_path / "killed"
-    proc = _start(killed, "kill")
+    killed, ended = tmp_path / "killed", tmp_path / "ended"
+    # both other processes started at once (each imports torch and hpx: seconds), into directories of
+    # their own; the second is read only after the first's lock is taken over
+    proc, exiting = _launch(killed, "kill"), _launch(ended, "exit")
+    _saved(proc)
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL and _held_by(killed) == [proc.pid]
     resumed = _forks()
@@ -165,8 +176,7 @@ def test_a_killed_process_lock_is_taken_over_and_an_exited_one_released(tmp_path
     _train(resumed, 6)
     assert hpx.save_checkpoint(killed, resumed) is not None and _held_by(killed) == [os.getpid()]
 
-    ended = tmp_path / "ended"
-    proc = _start(ended, "exit")
+    proc = _saved(exiting)
     proc.communicate()
     assert proc.returncode == 0 and (ended / "step-000000004").is_dir() and _locks(ended) == []
 

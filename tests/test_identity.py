@@ -37,11 +37,13 @@ def _old_tree(tmp: Path) -> Path:
     return tmp
 
 
-def _runs(world: int, *runs: tuple[Path, Path]) -> list[object]:
-    """Each ``(code, out)`` run started at once, side by side (each in its own processes), then waited for.
-    One thread per process (the 1-process run sets it itself; the gloo ranks it spawns did not, and two
-    ranks of two threads each on two cores took twice as long): both runs alike, so still comparable."""
-    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), str(world)],
+def _runs(worlds: tuple[int, ...], *runs: tuple[Path, Path]) -> list[dict]:
+    """Each ``(code, out)`` run started at once, side by side (each in its own processes), then waited for;
+    each run trains every world of ``worlds`` in one launch (its ranks forked from it: one import of torch
+    and hpx per run). One thread per process (the gloo ranks forked from the run have the one thread it
+    set; two ranks of two threads each on two cores took twice as long): both runs alike, so still
+    comparable."""
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), str(out), *map(str, worlds)],
                               env={**os.environ, "PYTHONPATH": str(code), "OMP_NUM_THREADS": "1"},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=code)
              for code, out in runs]
@@ -66,15 +68,18 @@ def _flat(x: object, at: str = "") -> dict[str, torch.Tensor]:
     return {at: x}
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_the_runs_match_the_code_before_bit_for_bit(tmp_path: Path, world: int) -> None:
-    old, new = _runs(world, (_old_tree(tmp_path / "old"), tmp_path / "old.pt"), (ROOT, tmp_path / "new.pt"))
-    a, b = _flat(old), _flat(new)
-    assert a.keys() == b.keys() and len(a) > 50
-    differ = [k for k in a if not torch.equal(a[k], b[k])]
-    assert not differ, f"{len(differ)} tensors differ from {BEFORE}'s run, the first: {differ[:3]}"
-    # the scenarios did what they are there for: the search moved the knobs' bases
-    first = old if world == 1 else old[0]
-    bases = first["shared/final"][-1]
-    assert bases.shape == (2,) and bases[0] != 3e-3 and bases[1] != 0.1
-    assert first["autolr"][-1][0] != 1.0  # autolr's lr factor
+def test_the_runs_match_the_code_before_bit_for_bit(tmp_path: Path) -> None:
+    """In one process, and on 2 gloo processes: one launch of each code does both."""
+    old, new = _runs((1, 2), (_old_tree(tmp_path / "old"), tmp_path / "old.pt"), (ROOT, tmp_path / "new.pt"))
+    assert sorted(old) == sorted(new) == [1, 2]
+    for world in (1, 2):
+        a, b = _flat(old[world]), _flat(new[world])
+        assert a.keys() == b.keys() and len(a) > 50, world
+        differ = [k for k in a if not torch.equal(a[k], b[k])]
+        assert not differ, (f"world {world}: {len(differ)} tensors differ from {BEFORE}'s run, "
+                            f"the first: {differ[:3]}")
+        # the scenarios did what they are there for: the search moved the knobs' bases
+        first = old[world] if world == 1 else old[world][0]
+        bases = first["shared/final"][-1]
+        assert bases.shape == (2,) and bases[0] != 3e-3 and bases[1] != 0.1, world
+        assert first["autolr"][-1][0] != 1.0, world  # autolr's lr factor

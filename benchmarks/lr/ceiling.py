@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.report_only:  # every run the section reads must be stored: else say which command makes them
         for path, need in ((STORE, [r for r in runs if "probe" not in grids[r.key]]),
                            (CHUNKS, big_runs), (HALVES, runs if a.val_halves else [])):
-            lacking = sorted({r.task for r in need if r.key not in _load(path)})
+            stored = _load(path)  # once: read again for every run it took 25 s
+            lacking = sorted({r.task for r in need if r.key not in stored})
             if lacking:
                 _store.refuse(path, COMMAND, DOC, lacks=", ".join(lacking), note="about 35 min")
     else:

@@ -17,7 +17,7 @@ from tests.integrations._lit import Digits, EndGroup, Report, loader, probe, pro
 
 
 def _trainer(tmp_path, steps, devices=1, **kw):
-    if kw.get("strategy") == "ddp_spawn":  # the children end their gloo group themselves (EndGroup)
+    if kw.get("strategy") in ("ddp_spawn", "ddp_fork"):  # the children end their gloo group themselves
         kw["callbacks"] = [*kw.get("callbacks", []), EndGroup()]
     return pl.Trainer(accelerator="cpu", devices=devices, max_steps=steps,
                       logger=pl.loggers.CSVLogger(tmp_path), enable_progress_bar=False,
@@ -63,20 +63,23 @@ def test_two_ddp_processes_explore_agree_and_log(tmp_path):
 
 def test_two_processes_resume_mid_run_exactly_as_if_never_stopped(tmp_path):
     # 1400 samples over 2 processes in batches of 32: 22 steps an epoch; saved after the first epoch's
-    # last step (saving in on_train_epoch_end instead makes Lightning replay a batch when it resumes)
+    # last step (saving in on_train_epoch_end instead makes Lightning replay a batch when it resumes).
+    # ddp_fork: the same launcher as ddp_spawn, its processes forked from this one rather than started
+    # fresh (each fresh one imported Lightning, seconds of CPU); ddp_spawn's pickled callbacks are the
+    # test above's.
     steps = 44
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     full.mkdir()
     resumed.mkdir()
     saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=22, save_top_k=-1)
-    trainer = _trainer(full, steps, devices=2, strategy="ddp_spawn", enable_checkpointing=True,
+    trainer = _trainer(full, steps, devices=2, strategy="ddp_fork", enable_checkpointing=True,
                        callbacks=[AutoLR(probe_loss, probe=probe(), seed=0), Report(str(full)), saver])
     trainer.fit(Digits(lr=0.005, steps=steps), loader())
     ckpt = tmp_path / "ckpt" / "epoch=0-step=22.ckpt"
     saved = torch.load(ckpt, weights_only=False)["callbacks"]
     hpx_state = next(v for k, v in saved.items() if k.startswith("AutoLR"))
     assert [s["first"] for s in hpx_state["ranks"]] == [0, 1]  # every rank's state, in rank order
-    trainer = _trainer(resumed, steps, devices=2, strategy="ddp_spawn",
+    trainer = _trainer(resumed, steps, devices=2, strategy="ddp_fork",
                        callbacks=[AutoLR(probe_loss, probe=probe(), seed=0), Report(str(resumed))])
     trainer.fit(Digits(lr=0.005, steps=steps), loader(), ckpt_path=ckpt)
     for r in range(2):
@@ -189,20 +192,22 @@ def test_forks_with_manual_optimization(tmp_path):
 
 
 def test_forks_under_two_ddp_processes_decide_alike(tmp_path):
-    """hpx.Forks in a LightningModule under DDP (2 gloo processes, ddp_spawn): each process trains
+    """hpx.Forks in a LightningModule under DDP (2 gloo processes, ddp_fork: ddp_spawn's launcher, its
+    processes forked from this one, not started fresh to import Lightning again): each process trains
     its shard, the forks average their gradients over the processes (TorchDistributed), and both
     processes cut at the same steps, pick the same winner and end with the same weights."""
     from tests.integrations._lit import WithForks
 
     module = WithForks(lr=0.001, steps=40, out=str(tmp_path))
-    trainer = _trainer(tmp_path, -1, devices=2, strategy="ddp_spawn", max_epochs=1, limit_train_batches=40)
+    trainer = _trainer(tmp_path, -1, devices=2, strategy="ddp_fork", max_epochs=1, limit_train_batches=40)
     trainer.fit(module, loader(16))
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["step"] == ranks[1]["step"] == 40
     assert ranks[0]["steps"] == ranks[1]["steps"] and len(ranks[0]["steps"]) == 3
     assert ranks[0]["factor"] == ranks[1]["factor"] != 1.0  # 0.001 is low: a challenger won on both
     assert ranks[0]["params"] == ranks[1]["params"]  # the shards differ; the averaged gradients do not
-    # the calling process gets rank 0's winner back, as Lightning returns a ddp_spawn fit's weights
+    # the calling process gets rank 0's winner back, as Lightning returns a ddp_spawn (or ddp_fork) fit's
+    # weights
     params = torch.cat([p.detach().reshape(-1) for p in module.net.parameters()])
     assert params.tolist() == ranks[0]["params"]
 

@@ -185,8 +185,8 @@ def test_the_example_prints_the_forks_decisions_and_both_accuracies(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     # 150 steps (the cuts at 23 and 46): the 10x fork wins and beats plain training by 0.2 of accuracy
-    # on the test digits (at 300 steps by 0.1). One torch thread: the example's MLP is small, and its
-    # second thread tripled the process's CPU time.
+    # on the test digits (at 300 steps by 0.1). One torch thread: the example's MLP is small; a second
+    # thread added CPU time without shortening the run (on a busy machine it tripled it).
     cmd = [sys.executable, str(root / "examples" / "hf_digits.py"), "--steps", "150", "--out", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
