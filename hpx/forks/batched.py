@@ -65,8 +65,7 @@ from torch.nn.modules import module as _module
 from torch.optim import optimizer as _optimizer
 
 from hpx import _checks
-from hpx.errors import ConfigError
-from hpx.forks.early import early_path
+from hpx.forks.early import early_path, halt
 from hpx.forks.fork import _device, _Fork, _rng_get, _rng_set, _unstepped
 from hpx.replica import Replica
 from hpx.signals import LossFn
@@ -314,10 +313,7 @@ class Batched:
                            f"(batched=True) while it wrote the forks' step ({type(e).__name__}: {e}), so the "
                            "forks may now be at different steps and this run cannot go on: resume from your "
                            "last checkpoint (hpx.load_checkpoint)")
-            if not isinstance(e, Exception):  # an interrupt stays one
-                e.add_note(f"hpx: {forks._half}")
-                raise
-            raise ConfigError([forks._half]) from e
+            halt(forks, e)
         return losses
 
     def _optimizer(self, trained: list[_Fork], lay: _Layout, grads: list[Any]) -> _Steps | None:

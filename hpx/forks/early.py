@@ -47,7 +47,7 @@ A failure part way, exact where it can be:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -125,10 +125,17 @@ def train_each(forks: Any, trained: list[_Fork], loss_fn: LossFn, batch: Any) ->
                        "Resume from your last checkpoint (hpx.load_checkpoint); a loop that skips a batch "
                        "that fails (an out-of-memory error it catches) calls forks.backward(loss_fn, batch) "
                        "then forks.optimizer_step(), which step no fork before every fork's backward is done")
-        if not isinstance(e, Exception):  # an interrupt stays one
-            e.add_note(f"hpx: {forks._half}")
-            raise
-        raise ConfigError([forks._half]) from e
+        halt(forks, e)
+
+
+def halt(forks: Any, e: BaseException) -> NoReturn:
+    """Stop a run whose forks a failure ``e`` left at different steps (``forks._half`` says why:
+    every later step, ``converge()`` and ``save_checkpoint`` refuse it): an interrupt is raised as it
+    is, with that note; any other failure as a :class:`~hpx.ConfigError`."""
+    if not isinstance(e, Exception):  # an interrupt stays one
+        e.add_note(f"hpx: {forks._half}")
+        raise e
+    raise ConfigError([forks._half]) from e
 
 
 def stepped_draws(device: torch.device, calls: Sequence[Callable[[], Any]],
