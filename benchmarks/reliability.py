@@ -922,8 +922,9 @@ FORKS_RANKS_SECTION = [
     "Checked by the tests named (`pytest tests/test_forks_ranks.py`, real gloo processes, not rerun by this "
     "benchmark). Before every decision, `converge()` and a load, each rank sends one all-reduce shaped as "
     "a step's first gradient bucket with a marker where the counts go, then every fork's settings are "
-    "compared across the ranks. With `shard=` the step's collectives are FSDP's, which the marker cannot "
-    "meet: uneven steps there are not caught (docs/distributed.md).",
+    "compared across the ranks. With `shard=` a step's collectives are FSDP's, so every step starts with a "
+    "marker of its own, a small all-reduce of each rank's point and step (the round-two table below; "
+    "docs/distributed.md).",
     "",
     "| fault | where | what happens | test |",
     "| --- | --- | --- | --- |",
@@ -1007,10 +1008,17 @@ FORKS_ROUND_TWO_ROWS = [  # (fault, where, what happens, the tests that check it
      "ConsistencyError on every rank within seconds, naming the step, nothing saved (rank 1 waited out "
      "the process group's timeout, rank 0 got gloo's 'Connection closed by peer')",
      "tests/test_forks_ranks.py::test_saves_at_different_steps_raise_on_every_rank_without_hanging"),
-    ("rank 0 loads a checkpoint, rank 1 starts fresh (its loop forgot the load), without shard=",
-     "2 gloo ranks", "ConsistencyError on both within seconds (rank 1 died with gloo's 'Received data "
+    ("rank 0 loads a checkpoint, the others start fresh (their loop forgot the load), without shard=",
+     "2 and 3 gloo ranks", "ConsistencyError on every rank within seconds (rank 1 died with gloo's 'Received data "
      "size doesn't match'): the first step sends a marker of its own before its first collective",
      "tests/test_forks_ranks.py::test_a_load_on_one_rank_only_raises_on_every_rank_without_hanging"),
+    ("under shard=: the last rank runs one step fewer, one more, skips a batch, or stops early and calls "
+     "converge(); rank 0 saves at step 4, the others at 5; rank 0 loads a checkpoint, the others start "
+     "fresh", "2 and 3 gloo ranks, FSDP2", "ConsistencyError on every rank within seconds, naming each "
+     "rank's point and step, nothing saved (the short rank aborted with SIGABRT inside gloo, the other got "
+     "'Connection reset by peer'): every step starts with a marker of hpx's own before FSDP's collectives",
+     "tests/test_forks_shard_steps.py::test_a_sharded_rank_out_of_step_raises_on_every_rank_naming_ranks_and_steps, "  # noqa: E501
+     "tests/test_forks_shard_steps.py::test_saves_at_different_steps_under_shard_leave_nothing_saved"),
     ("a buffer no step writes or a frozen weight written in place, or replaced by assignment, on your "
      "model alone between steps", "in process, share=True and share=False",
      "refused at the next step in both modes alike, naming the tensor and forks.each (with share=False "

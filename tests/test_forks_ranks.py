@@ -111,9 +111,10 @@ def _one_loads(rank: int, world: int, folder: str) -> tuple[str, float]:
 
 
 @pytest.mark.procs
-def test_a_load_on_one_rank_only_raises_on_every_rank_without_hanging(tmp_path):
-    run_distributed(_save, 2, str(tmp_path))
-    out = run_distributed(_one_loads, 2, str(tmp_path), timeout=120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_load_on_one_rank_only_raises_on_every_rank_without_hanging(tmp_path, world):
+    run_distributed(_save, world, str(tmp_path))
+    out = run_distributed(_one_loads, world, str(tmp_path), timeout=120)
     for msg, seconds in out:
         assert "ran different numbers of optimizer steps" in msg or "met another rank's" in msg, msg
         assert seconds < 30, seconds

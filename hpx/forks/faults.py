@@ -21,7 +21,16 @@ from hpx.errors import ConfigError, ConsistencyError, NonFiniteError
 from hpx.forks.fork import _device, _rng_get, _rng_set
 from hpx.forks.misuse import _label
 from hpx.forks.probe import group_numbers
-from hpx.forks.ranks import _APART, _MET, check_steps_aligned, weights_digest
+from hpx.forks.ranks import (
+    _APART,
+    _MET,
+    check_steps_aligned,
+    held_marker,
+    marker_problem,
+    point_of,
+    send_marker,
+    weights_digest,
+)
 from hpx.replica import Replica
 
 log = logging.getLogger("hpx")
@@ -39,6 +48,7 @@ class _Faults:
     _losses_bad: Any
     _pending: Any
     _crossed: Any
+    _marks: Any
     _sharder: Any
     _apart: Any
     _half: str | None
@@ -285,17 +295,38 @@ class _Faults:
     def _check_aligned(self, when: str) -> None:
         """Under torch.distributed, before a decision, ``converge()`` or a load: every rank is at the
         same step, or every rank raises :class:`ConsistencyError` within one collective instead of
-        hanging (:func:`hpx.forks.ranks.check_steps_aligned`; sharded forks' collectives are FSDP's and
-        are not checked)."""
+        hanging (:func:`hpx.forks.ranks.check_steps_aligned`; with ``shard=``, whose step collectives are
+        FSDP's, the step marker of :meth:`_mark`)."""
         if self.collective.world_size == 1:
             return
-        if self._sharder is None:
+        if self._sharder is not None:
+            self._mark(when, point_of(when))
+        else:
             if self._crossed is not None and bool(self._crossed):  # a host read, at a decision
                 raise ConsistencyError(f"a training step of this rank met another rank's decision, "
                                        f"converge() or load_checkpoint (found at step {self.step_count}): "
                                        f"{_MET}")
             check_steps_aligned(self._trained(), self.collective, self.step_count, when)
         self._check_settings(when)
+
+    def _mark(self, when: str, point: int) -> None:
+        """Under ``shard=`` over several ranks, before a step's first collective (``point`` 0) and
+        before a decision, ``converge()``, a save or a load: every rank's point and step compared
+        (:func:`hpx.forks.ranks.send_marker`), each rank raising :class:`ConsistencyError` alike. Read
+        at once where the process group has a CPU backend; else a step's table stays on the device
+        and is read at the next decision (no host sync per step)."""
+        rows = send_marker(self.collective, point, self.step_count, _device(self._forks[0].model))
+        held = None
+        if rows.device.type != "cpu":
+            if point == 0:
+                self._marks = held_marker(self._marks, rows)
+                return
+            held, self._marks = self._marks, None
+        problem = marker_problem(rows, when)
+        if problem is None and held is not None and bool(held[0]):  # a host read, at a decision
+            problem = marker_problem(held[1], f"{when} (found there, at an earlier step)")
+        if problem is not None:
+            raise ConsistencyError(problem)
 
     def _check_settings(self, when: str) -> None:
         """Every rank's forks are set alike (a change made on one rank alone, ``each()`` in a branch

@@ -242,3 +242,72 @@ def _digest_runs(ps: list[torch.Tensor]) -> list[list[torch.Tensor]]:
             out[-1].append(part)
             size += part.numel()
     return [r for r in out if r]
+
+
+# --- the step marker of sharded forks -------------------------------------------------------------
+
+_POINTS = ("starting step {next}", "deciding at step {step}", "in converge() at step {step}",
+           "saving step {step}", "loading a checkpoint at step {step}")
+_KINDS = {"deciding": 1, "converge()": 2, "saving": 3, "loading": 4}  # a check's ``when``, by its first word
+
+
+def point_of(when: str) -> int:
+    """The kind of point a check's label ``when`` names (an index of :data:`_POINTS`)."""
+    return _KINDS.get(when.split(" ", 1)[0], 1)
+
+
+def _host_marker(collective: Any) -> bool:
+    """Whether ``collective`` takes CPU tensors: a gloo process group, or one with a CPU backend
+    beside NCCL (``init_process_group("cpu:gloo,cuda:nccl")``, torch's default without a backend),
+    where a marker is sent and read on the host without waiting on the device."""
+    if not hasattr(collective, "group"):
+        return False
+    import torch.distributed as dist
+
+    group = collective.group or dist.distributed_c10d._get_default_group()
+    try:
+        group._get_backend(torch.device("cpu"))
+    except Exception:  # no CPU backend (NCCL alone), or a torch without the lookup
+        return "gloo" in str(dist.get_backend(collective.group))
+    return True
+
+
+@torch.no_grad()
+def send_marker(collective: Any, point: int, step: int, device: torch.device) -> torch.Tensor:
+    """Under ``shard=`` (whose step collectives are FSDP2's, which no marker of hpx can meet), one
+    small all-reduce before each step's first collective and before every decision, ``converge()``,
+    save and load: each rank writes its row ``(point, step)`` of a ``[W, 2]`` table, zeros elsewhere,
+    and the sum is every rank's row. Every point that starts collectives sends it first, so ranks
+    that reached different points (a rank one step short, a save or a load on some ranks only) meet
+    in two markers of one shape and see each other's rows there, before any of FSDP's collectives
+    pair with something else (which gloo answers by aborting the process). Returns the table: on the
+    host where the process group has a CPU backend (read at once, free), else on ``device`` (read at
+    the next decision, :func:`check_marker`)."""
+    host = _host_marker(collective)
+    rows = torch.zeros(collective.world_size, 2, dtype=torch.int64,
+                       device=torch.device("cpu") if host else device)
+    rows[collective.rank, 0], rows[collective.rank, 1] = point, step
+    collective.all_reduce_sum_([rows])
+    return rows
+
+
+def marker_problem(rows: torch.Tensor, when: str) -> str | None:
+    """The error a marker's table (:func:`send_marker`) gives: ``None`` where every rank is at the
+    same point of the same step, else every rank's point and step named (a host read)."""
+    table = rows.tolist()
+    if all(r == table[0] for r in table):
+        return None
+    said = [f"rank {r} " + (_POINTS[p] if 0 <= p < len(_POINTS) else "elsewhere at step {step}").format(
+        step=s, next=s + 1) for r, (p, s) in enumerate(table)]
+    return f"{when}, the ranks were at different points ({'; '.join(said)}): {_MET}"
+
+
+def held_marker(held: tuple[torch.Tensor, torch.Tensor] | None,
+                rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A device marker's table kept for the next decision without a host read: the flag of any
+    mismatch so far, and the first mismatched table (else the latest)."""
+    bad = (rows != rows[:1]).any()
+    if held is None:
+        return bad, rows
+    was, first = held
+    return was | bad, torch.where(was, first, rows)

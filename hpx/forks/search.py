@@ -320,6 +320,7 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
         self._zero_model = False
         self._apart: torch.Tensor | None = None  # on device: a gradient some ranks had and others not
         self._crossed: torch.Tensor | None = None  # on device: a step that met another rank's decision
+        self._marks: Any = None  # shard= on a device-only group: step markers' tables held (hpx.forks.ranks)
         self._streams: list[bool | None] = [None]  # Python's and NumPy's replayed too (common_draws)
         self._warned = False
         self._scaled: bool | None = None  # whether the last backward was given a GradScaler
@@ -446,6 +447,8 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
     def _open(self) -> list[_Fork]:
         """The forks a backward trains, their gradients cleared at an optimizer step's first
         micro-batch (and before the first step, the initial weights' probe loss)."""
+        if self._fresh and self._sharder is not None and self.collective.world_size > 1:
+            self._mark(f"starting step {self.step_count + 1}", 0)  # before FSDP's first collective
         if self._fresh:  # your objects changed alone, what is held once still shared (host reads only)
             ConfigError.check(self._misuse() or self._shared.problems() or _stepped_apart(self._forks))
             self._read_losses()
