@@ -3,6 +3,7 @@
     python -m benchmarks.forks_memory             # writes the forks-memory section of docs/benchmarks.md
     python -m benchmarks.forks_memory --no-write
     python -m benchmarks.forks_memory --report-only  # the section again from the committed store
+    python -m benchmarks.forks_memory --trace        # the full MLP step by step: where the peak lies
 
 Four models, AdamW with OneCycleLR; the MLPs on scikit-learn's bundled digits (64 features,
 batches of 64), the LM on the bytes of CPython's ``pydoc_data.topics`` (batches of 16 x 64):
@@ -150,7 +151,7 @@ def _child(kind: str, method: str, steps: int, width: int) -> None:
 
     torch.set_num_threads(1)
     backend, shard, rank, world = None, None, 0, 1
-    if method != "plain" and method != "forks":  # forks/ranks, forks/sharded: one process of W (torchrun)
+    if method in SPREAD:  # forks/ranks, forks/sharded: one process of W (torchrun)
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -190,13 +191,18 @@ def _child(kind: str, method: str, steps: int, width: int) -> None:
     else:
         forks = hpx.Forks(model, opt, total_steps=steps, schedule=sched, probe=probe, backend=backend,
                           shard=shard)
+        trace = []
         for b in batches:
             forks.step(lambda rep, bb: _loss(rep.model, bb), b)
+            if method == "forks/trace":  # models alive after the step; resident and peak memory so far
+                trace.append((len(forks._forks) + len(forks._clones), _status("VmRSS") - base,
+                              _status("VmHWM") - base))
         forks.converge()
-        extra = {"fork_steps": forks.fork_steps}
+        extra = {"fork_steps": forks.fork_steps, **({"trace": trace} if trace else {})}
     peak = _status("VmHWM") - base  # read before the model is built again, for its counts
+    resident = _status("VmRSS") - base  # after the run: plain training's weights, gradients, moments
     whole = _model(kind, width)  # the model as built (a sharded one holds a part of it)
-    out = {"bytes": peak, "params": sum(p.numel() for p in whole.parameters()),
+    out = {"bytes": peak, "resident": resident, "params": sum(p.numel() for p in whole.parameters()),
            "trained": sum(p.numel() for p in whole.parameters() if p.requires_grad), **extra}
     if world > 1:
         import torch.distributed as dist
@@ -265,10 +271,43 @@ def section(res: dict, command: str, wall: float, on: str | None = None) -> str:
     return "\n".join(lines)
 
 
+def trace(kind: str = "full") -> str:
+    """Where Forks' peak lies, step by step (``--trace``): the models alive after each step (forks
+    and annealed copies) and the resident memory then and at its peak so far, beside the floor that
+    the models alive set: each holds its weights and AdamW's two moments (3 P bytes, P its float32
+    parameters' bytes), on top of what plain training's process holds beyond its own model, its
+    gradients and its moments (its resident memory after its last step less 4 P). Rows are the
+    steps where the models alive change or the peak rises."""
+    mib = 2 ** 20
+    plain, forks = measure(kind, "plain"), measure(kind, "forks/trace")
+    p = 4 * plain["trained"] / mib  # P in MiB; every parameter is trained in the full MLP
+    rest = plain["resident"] / mib - 4 * p
+    lines = [f"{LABELS[kind]}: P = {p:.1f} MiB of float32 parameters; plain training's peak "
+             f"{plain['bytes'] / mib:.0f} MiB, {plain['resident'] / mib:.0f} MiB resident after its last "
+             f"step (4 P for weights, gradients and AdamW's moments, and {rest:.0f} MiB besides)", "",
+             "| step | models alive | resident MiB | peak so far MiB | floor: 3 P x models + the rest |",
+             "| ---: | ---: | ---: | ---: | ---: |"]
+    seen = (0, 0)
+    for i, (n, rss, hwm) in enumerate(forks["trace"], 1):
+        if (n, hwm) != seen and (n != seen[0] or hwm > seen[1]):
+            lines.append(f"| {i} | {n} | {rss / mib:.0f} | {hwm / mib:.0f} | {3 * p * n + rest:.0f} |")
+        seen = (n, hwm)
+    most = max(n for n, _, _ in forks["trace"])
+    floor = 3 * p * most + rest
+    lines += ["", f"Forks' peak {forks['bytes'] / mib:.0f} MiB = {forks['bytes'] / plain['bytes']:.2f}x "
+              f"plain's. With {most} models alive the floor is {floor:.0f} MiB = "
+              f"{floor * mib / plain['bytes']:.2f}x plain's before any step's own memory; one fork's "
+              f"gradients, the least a step holds, make it {(floor + p) * mib / plain['bytes']:.2f}x."]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
         _child(argv[1], argv[2], int(argv[3]), int(argv[4]))
+        return {}
+    if argv[:1] == ["--trace"]:
+        print(trace())
         return {}
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--no-write", action="store_true",
