@@ -207,7 +207,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             sided: bool = False, sign: float = 0.0, reserve: float = 0.0,
             drop: float = 0.0, train: tuple[float, float] = (),
             split: bool = False, split_over: int = 1, ahead: bool = False,
-            peaked: bool = False) -> tuple[torch.nn.Module, float]:
+            peaked: bool = False, guard: bool = False) -> tuple[torch.nn.Module, float]:
     """Successive halving of whole runs: from the start, one fork per multiple in ``mults`` of the
     peak lr, each a plain run on the same batches and its own copy of the schedule. At each ``(share,
     keep)`` of ``cuts`` the forks' weights averaged over the last ``steps / 40`` steps are scored on
@@ -254,7 +254,12 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     ``p + c (1 - p)``, ``p`` the share of the run before the peak, so a warm-up holds no cut and a
     schedule that starts at its peak keeps its cuts. A last cut (``keep`` 1) before the run's
     end, with ``cool`` and ``confidence``, runs the end's test on the annealed copies of the start
-    and the challenger, not on the forks: the run's remaining steps are plain training."""
+    and the challenger, not on the forks: the run's remaining steps are plain training. With
+    ``guard`` (and ``protect``) a cut inside a warm-up (the schedule's lr still to rise after it)
+    where every fork above the start scores worse than the start keeps every fork below it: the
+    early reading favours the faster lrs, so when even the faster ones lose to the start, it is at
+    or above the top of the good range and says nothing of the slower ones. Those the cut's count
+    has no room for go on to a cut of the same count at the schedule's first highest lr."""
     total = len(batches)
     if peaked:
         lrs = _lr_trace(opt, sched, total)
@@ -270,7 +275,8 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     # forks see the same draws (common random numbers), and the start's fork those of plain training
     rngs = [torch.random.get_rng_state()] * len(forks)
     initial = _scored(task, model, [p.detach() for p in model.parameters()]) if lost_start else math.nan
-    trace = _lr_trace(opt, sched, total) if ahead else []
+    trace = _lr_trace(opt, sched, total) if ahead or guard else []
+    top = trace.index(max(trace)) + 1 if guard else 0  # the first step at the schedule's highest lr
     reserved, named = [False] * len(forks), False
     model.train()
     for t, b in enumerate(batches, 1):
@@ -307,6 +313,13 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                 order = sorted([own[0], *below, *above], key=ranked.index)
             if protect and keep > 1 and own and own[0] not in order:
                 order = [*order[:keep - 1], own[0]]
+            if guard and protect and keep > 1 and own and alive[own[0]] and t < top:
+                if all(scores[i] > scores[own[0]] for i in range(len(forks)) if factors[i] > 1.0):
+                    below = [i for i in ranked if factors[i] < 1.0 and math.isfinite(scores[i])]
+                    order = [own[0], *below]
+                    order += [i for i in ranked if i not in order][:max(0, keep - len(order))]
+                    if len(order) > keep:  # the rest are cut where the schedule peaks
+                        plan[top] = min(keep, plan.get(top, keep))
             if protect and keep == 1 and confidence > 0 and own and order[0] != own[0] and alive[own[0]]:
                 lost = scores[own[0]] >= initial > scores[order[0]]  # False without lost_start (nan)
                 ch, st = (forks[order[0]][0], emas[order[0]]), (forks[own[0]][0], emas[own[0]])
@@ -626,6 +639,11 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
                                                               confidence=2.0, lost_start=True, average=False,
                                                               ahead=True),
     # hpx.Forks' design with every cut placed in the steps after the schedule's peak (issue 39's warm-up)
+    # hpx.Forks' design with the warm-up guard (forks below the start kept while every fork above
+    # loses to it inside a warm-up; docs/method.md)
+    "halving-end-cool-z2-lost-last-guard": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
+                                                              confidence=2.0, lost_start=True, average=False,
+                                                              guard=True),
     "halving-end-cool-z2-lost-last-peak": lambda *a: halving(*a, cuts=_TO_THE_END, protect=True, cool=0.05,
                                                              confidence=2.0, lost_start=True, average=False,
                                                              peaked=True),
