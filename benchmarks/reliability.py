@@ -1009,8 +1009,9 @@ FORKS_ROUND_TWO_ROWS = [  # (fault, where, what happens, the tests that check it
      "the process group's timeout, rank 0 got gloo's 'Connection closed by peer')",
      "tests/test_forks_ranks.py::test_saves_at_different_steps_raise_on_every_rank_without_hanging"),
     ("rank 0 loads a checkpoint, the others start fresh (their loop forgot the load), without shard=",
-     "2 and 3 gloo ranks", "ConsistencyError on every rank within seconds (rank 1 died with gloo's 'Received data "
-     "size doesn't match'): the first step sends a marker of its own before its first collective",
+     "2 and 3 gloo ranks", "ConsistencyError on every rank within seconds (rank 1 died with gloo's "
+     "'Received data size doesn't match'): the first step sends a marker of its own before its first "
+     "collective",
      "tests/test_forks_ranks.py::test_a_load_on_one_rank_only_raises_on_every_rank_without_hanging"),
     ("under shard=: the last rank runs one step fewer, one more, skips a batch, or stops early and calls "
      "converge(); rank 0 saves at step 4, the others at 5; rank 0 loads a checkpoint, the others start "
