@@ -1015,11 +1015,14 @@ FORKS_ROUND_TWO_ROWS = [  # (fault, where, what happens, the tests that check it
      "tests/test_forks_ranks.py::test_a_load_on_one_rank_only_raises_on_every_rank_without_hanging"),
     ("under shard=: the last rank runs one step fewer, one more, skips a batch, or stops early and calls "
      "converge(); rank 0 saves at step 4, the others at 5; rank 0 loads a checkpoint, the others start "
-     "fresh", "2 and 3 gloo ranks, FSDP2", "ConsistencyError on every rank within seconds, naming each "
-     "rank's point and step, nothing saved (the short rank aborted with SIGABRT inside gloo, the other got "
-     "'Connection reset by peer'): every step starts with a marker of hpx's own before FSDP's collectives",
+     "fresh; the last rank's process ends at step 6", "2 and 3 gloo ranks, FSDP2",
+     "ConsistencyError on every rank within seconds, naming each rank's point and step, nothing saved; "
+     "for a process that ended, on the others at their next step (the short rank aborted with SIGABRT "
+     "inside gloo, the other got 'Connection reset by peer'): every step starts with a marker of hpx's "
+     "own before FSDP's collectives",
      "tests/test_forks_shard_steps.py::test_a_sharded_rank_out_of_step_raises_on_every_rank_naming_ranks_and_steps, "  # noqa: E501
-     "tests/test_forks_shard_steps.py::test_saves_at_different_steps_under_shard_leave_nothing_saved"),
+     "tests/test_forks_shard_steps.py::test_saves_at_different_steps_under_shard_leave_nothing_saved, "
+     "tests/test_forks_shard_steps.py::test_a_rank_whose_process_ended_is_named_by_the_next_marker_not_a_bare_gloo_error"),
     ("a buffer no step writes or a frozen weight written in place, or replaced by assignment, on your "
      "model alone between steps", "in process, share=True and share=False",
      "refused at the next step in both modes alike, naming the tensor and forks.each (with share=False "

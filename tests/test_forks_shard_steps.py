@@ -147,3 +147,28 @@ def test_a_device_marker_keeps_the_first_mismatch_for_the_next_decision():
     assert marker_problem(even, "x") is None
     said = marker_problem(held[1], "deciding at step 6")
     assert said is not None and "rank 0 starting step 5; rank 1 in converge() at step 4" in said
+
+
+def _leaves(rank: int, world: int) -> str:
+    """The last rank returns after 6 steps (its loop ended early, no converge()): its process ends."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    forks = _build(init_device_mesh("cpu", (world,)), rank)
+    batches = _data(rank)[0]
+    try:
+        for i in range(STEPS):
+            if rank == world - 1 and i == 6:
+                return "left"
+            forks.step(_loss, batches[i])
+        forks.converge()
+        return "ok"
+    except ConsistencyError as e:
+        return str(e)
+
+
+def test_a_rank_whose_process_ended_is_named_by_the_next_marker_not_a_bare_gloo_error():
+    out = run_distributed(_leaves, 2, timeout=120)
+    assert out[1] == "left"
+    said = "starting step 7, the ranks' step marker could not be exchanged: another rank has left the run"
+    assert out[0].startswith(said), out[0]
+    assert "Connection closed by peer" in out[0] or "Connection reset" in out[0], out[0]

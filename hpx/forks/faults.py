@@ -315,7 +315,13 @@ class _Faults:
         (:func:`hpx.forks.ranks.send_marker`), each rank raising :class:`ConsistencyError` alike. Read
         at once where the process group has a CPU backend; else a step's table stays on the device
         and is read at the next decision (no host sync per step)."""
-        rows = send_marker(self.collective, point, self.step_count, _device(self._forks[0].model))
+        try:
+            rows = send_marker(self.collective, point, self.step_count, _device(self._forks[0].model))
+        except RuntimeError as e:  # gloo's "Connection closed by peer": a rank's process ended
+            raise ConsistencyError(
+                f"{when}, the ranks' step marker could not be exchanged: another rank has left the run or "
+                f"cannot be reached (its process ended, crashed or stopped calling hpx; see its own error). "
+                f"Every rank must take every step and call converge(). The process group said: {e}") from e
         held = None
         if rows.device.type != "cpu":
             if point == 0:
