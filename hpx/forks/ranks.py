@@ -252,7 +252,8 @@ _KINDS = {"deciding": 1, "converge()": 2, "saving": 3, "loading": 4}  # a check'
 
 
 def point_of(when: str) -> int:
-    """The kind of point a check's label ``when`` names (an index of :data:`_POINTS`)."""
+    """The kind of point a check's label ``when`` names (an index of :data:`_POINTS`; a check of
+    another name counts as a decision's)."""
     return _KINDS.get(when.split(" ", 1)[0], 1)
 
 
@@ -281,8 +282,8 @@ def send_marker(collective: Any, point: int, step: int, device: torch.device) ->
     that reached different points (a rank one step short, a save or a load on some ranks only) meet
     in two markers of one shape and see each other's rows there, before any of FSDP's collectives
     pair with something else (which gloo answers by aborting the process). Returns the table: on the
-    host where the process group has a CPU backend (read at once, free), else on ``device`` (read at
-    the next decision, :func:`check_marker`)."""
+    host where the process group has a CPU backend (read at once, free), else on ``device`` (kept by
+    :func:`held_marker` and read at the next decision: ``hpx.forks.faults._Faults._mark``)."""
     host = _host_marker(collective)
     rows = torch.zeros(collective.world_size, 2, dtype=torch.int64,
                        device=torch.device("cpu") if host else device)
