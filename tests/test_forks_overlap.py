@@ -8,21 +8,21 @@ that fails on every rank skips the batch before any fork stepped, and stops the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hpx
 import hpx.forks.ranks
 import hpx.forks.search
-from hpx.errors import ConsistencyError
 from hpx.forks import early
 from hpx.forks.ranks import _buckets, _mean_bucket
 from tests._dist import run_distributed
 from tests.test_forks import BATCHES, PROBE, STEPS, _adamw_onecycle, _loss, _net
+from tests.test_forks_early_step import _equal
+from tests.test_forks_ranks import _branching
 
 SHORT = 12  # steps: both cuts' annealed copies and the knob forks (from step 9), then converge()
 
@@ -45,20 +45,6 @@ def _forks(backend: Any, p: float = 0.2, mixed: bool = False, **settings: Any) -
     return hpx.Forks(model, opt, total_steps=STEPS, schedule=sched, probe=PROBE, backend=backend, **settings)
 
 
-def _bits(forks: hpx.Forks) -> list[torch.Tensor]:
-    """Every fork's and copy's weights, buffers and optimizer state."""
-    out = []
-    for f in [*forks._forks, *forks._clones]:
-        out += list(f.model.state_dict().values())
-        out += [v for st in f.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
-    return out
-
-
-def _equal(a: hpx.Forks, b: hpx.Forks) -> bool:
-    x, y = _bits(a), _bits(b)
-    return len(x) == len(y) and all(torch.equal(u, v) for u, v in zip(x, y))
-
-
 @torch.no_grad()
 def _joint_mean(trained: list, collective: Any) -> tuple[Any, Any]:
     """The reduction every step took before: one all-reduce per dtype over every fork's gradients
@@ -70,16 +56,6 @@ def _joint_mean(trained: list, collective: Any) -> tuple[Any, Any]:
                      + [torch.tensor(had, dtype=ps[0].dtype)])
     collective.all_reduce_sum_([flat])
     return _mean_bucket(ps, flat, had, collective.world_size, False)
-
-
-@contextlib.contextmanager
-def _joint() -> Iterator[None]:
-    real = hpx.forks.search.mean_over_ranks
-    hpx.forks.search.mean_over_ranks = _joint_mean
-    try:
-        yield
-    finally:
-        hpx.forks.search.mean_over_ranks = real
 
 
 def _three_ways(rank: int, world: int) -> dict:
@@ -100,7 +76,8 @@ def _three_ways(rank: int, world: int) -> dict:
         seen = []
         for how, forks in runs.items():
             torch.manual_seed(100 * rank + i)
-            with _joint() if how == "joint" else contextlib.nullcontext():
+            with mock.patch.object(hpx.forks.search, "mean_over_ranks", _joint_mean) if how == "joint" \
+                    else contextlib.nullcontext():
                 losses = forks.step(_loss, part)
             seen.append((losses, torch.random.get_rng_state()))
         copies += bool(runs["new"]._clones)
@@ -119,24 +96,6 @@ def _three_ways(rank: int, world: int) -> dict:
             "weights": [p.detach().clone() for p in new.model.parameters()]}
 
 
-def _branching(rank: int, world: int, overlap: bool) -> str:
-    """Rank 0's batches take head a, rank 1's head b (a branch chosen by the data)."""
-    from tests.test_forks_ranks import _TwoHeads
-
-    model = _TwoHeads(False)
-    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE,
-                      loss_fn=lambda rep, b: F.mse_loss(rep.model(b[0]).squeeze(-1), b[1]),
-                      backend=hpx.backends.TorchDistributed())
-    forks._overlap = overlap
-    head = "a" if rank == 0 else "b"
-    try:
-        for b in BATCHES[:20]:
-            forks.step(lambda rep, b: F.mse_loss(rep.model(b[0], head).squeeze(-1), b[1]), b)
-    except ConsistencyError as e:
-        return f"{forks.step_count}: {e}"
-    return "trained"
-
-
 def _in_buckets(rank: int, world: int) -> list[bool]:
     """Two dtypes in buckets of 100 elements (three all-reduces per fork): step and backward() then
     optimizer_step() alike, step by step."""
@@ -145,7 +104,7 @@ def _in_buckets(rank: int, world: int) -> list[bool]:
     runs = [_forks(TorchDistributed(), mixed=True) for _ in range(2)]
     runs[1]._overlap = False
     same = []
-    with _buckets_of(100):
+    with mock.patch.object(hpx.forks.ranks, "_BUCKET", 100):
         for i, b in enumerate(BATCHES[:8]):
             part = tuple(t.chunk(world)[rank] for t in b)
             losses = []
@@ -154,16 +113,6 @@ def _in_buckets(rank: int, world: int) -> list[bool]:
                 losses.append(forks.step(_loss, part))
             same.append(torch.equal(*losses) and _equal(*runs))
     return same
-
-
-@contextlib.contextmanager
-def _buckets_of(size: int) -> Iterator[None]:
-    real = hpx.forks.ranks._BUCKET
-    hpx.forks.ranks._BUCKET = size
-    try:
-        yield
-    finally:
-        hpx.forks.ranks._BUCKET = real
 
 
 def _failing(rank: int, world: int) -> dict:
@@ -205,7 +154,7 @@ def _scenarios(rank: int, world: int) -> dict:
     """Every case in one launch (starting the processes costs more than a case)."""
     return {"three": _three_ways(rank, world), "buckets": _in_buckets(rank, world),
             "failing": _failing(rank, world),
-            "apart": {overlap: _branching(rank, world, overlap) for overlap in (True, False)}}
+            "apart": {overlap: _branching(rank, world, False, overlap) for overlap in (True, False)}}
 
 
 @pytest.fixture(scope="module")
@@ -309,7 +258,7 @@ def test_each_forks_reduction_is_sent_after_its_backward_and_waited_after_the_ne
     fast = _forks(_Twin(events, asynchronous), mixed=mixed)
     slow = _forks(_Twin([], asynchronous), mixed=mixed)
     slow._overlap = False
-    with _buckets_of(size) if mixed else contextlib.nullcontext():
+    with mock.patch.object(hpx.forks.ranks, "_BUCKET", size) if mixed else contextlib.nullcontext():
         for i, b in enumerate(BATCHES[:8]):
             del events[:]
             n = len(fast._trained())  # the forks and annealed copies this step trains

@@ -28,12 +28,14 @@ class _TwoHeads(nn.Module):
         return (self.a if head == "a" else self.b)(torch.tanh(self.body(x)))
 
 
-def _branching(rank: int, world: int, bias_b: bool) -> str:
-    """Rank 0's batches take head a, rank 1's head b (a branch chosen by the data)."""
+def _branching(rank: int, world: int, bias_b: bool, overlap: bool = True) -> str:
+    """Rank 0's batches take head a, rank 1's head b (a branch chosen by the data); ``overlap=False``:
+    each fork's all-reduce after every backward (``forks._overlap``, hpx.forks.early)."""
     model = _TwoHeads(bias_b)
     forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05), total_steps=20, probe=PROBE,
                       loss_fn=lambda rep, b: F.mse_loss(rep.model(b[0]).squeeze(-1), b[1]),
                       backend=hpx.backends.TorchDistributed())
+    forks._overlap = overlap
     head = "a" if rank == 0 else "b"
     try:
         for b in BATCHES[:20]:
