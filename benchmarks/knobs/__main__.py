@@ -16,7 +16,8 @@ extended by half-decades, twice at most). A method starts from:
 
 Values are the mean of the 2 seeds' validation losses. Stores: ``benchmarks/knobs/stored/`` (the
 grid and the reported methods' runs, committed); ``--store runs`` keeps a method's runs in
-``runs/knobs/`` (gitignored) for exploration. Held-out tasks (``HELD_OUT``) are reported apart.
+``runs/knobs/`` (gitignored) for exploration. The held-out sets (``FIRST_HELD_OUT``, read since, and
+``SECOND_HELD_OUT``) are reported apart from the design tasks and from each other.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.knobs.run import METHODS, key, run
-from benchmarks.knobs.tasks import HELD_OUT, TASKS, CoTask
+from benchmarks.knobs.tasks import FIRST_HELD_OUT, HELD_OUT, SECOND_HELD_OUT, TASKS, CoTask
 
 ROOT = Path(__file__).resolve().parents[2]
 STORED = Path(__file__).with_name("stored")
@@ -141,10 +142,23 @@ def gridded(ct: CoTask, grid: dict[str, Any]) -> bool:
     return all(key("plain", ct.name, c, s) in grid for c in cells_of(ct, grid) for s in SEEDS)
 
 
-def rows(method: str, store: dict[str, Any], grid: dict[str, Any], held: bool) -> list[dict[str, Any]]:
+# The task sets the tables report apart: the design tasks, the first held-out set (read: its cell-by-cell
+# reading informed the design after it, so it no longer counts as held out) and the second held-out set.
+GROUPS: dict[str, str] = {"design": "design", "first": "first held-out set (read)",
+                          "second": "second held-out set"}
+
+
+def in_group(name: str, group: str) -> bool:
+    """Whether task ``name`` belongs to ``group`` (a key of :data:`GROUPS`)."""
+    if group == "design":
+        return name not in HELD_OUT
+    return name in (FIRST_HELD_OUT if group == "first" else SECOND_HELD_OUT)
+
+
+def rows(method: str, store: dict[str, Any], grid: dict[str, Any], group: str) -> list[dict[str, Any]]:
     out = []
     for name, ct in TASKS.items():
-        if (name in HELD_OUT) != held or not gridded(ct, grid):
+        if not in_group(name, group) or not gridded(ct, grid):
             continue
         best, _ = best_cell(ct, grid)
         for kind, cell in starts(ct, grid):
@@ -163,11 +177,11 @@ def rows(method: str, store: dict[str, Any], grid: dict[str, Any], held: bool) -
     return out
 
 
-def table(method: str, store: dict[str, Any], grid: dict[str, Any], held: bool) -> list[str]:
+def table(method: str, store: dict[str, Any], grid: dict[str, Any], group: str) -> list[str]:
     out = ["| task | knobs | late | start | cell (lr, knobs) | plain | hpx | hpx / plain | hpx / grid's best "
            "| ends at | steps / plain |",
            "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
-    for r in rows(method, store, grid, held):
+    for r in rows(method, store, grid, group):
         if not r["done"]:
             out.append(f"| {r['task']} | {r['knobs']} | {'yes' if r['late'] else ''} | {r['start']} | "
                        f"{_shown(r['cell'])} | {r['plain']:.4f} | not run | | | | |")
@@ -178,11 +192,11 @@ def table(method: str, store: dict[str, Any], grid: dict[str, Any], held: bool) 
     return out
 
 
-def counts(method: str, store: dict[str, Any], grid: dict[str, Any], held: bool) -> dict[str, int]:
-    """The bar's counts on the design or the held-out tasks: starts from the best cell within 2% of
+def counts(method: str, store: dict[str, Any], grid: dict[str, Any], group: str) -> dict[str, int]:
+    """The bar's counts on a set of tasks (a key of :data:`GROUPS`): starts from the best cell within 2% of
     plain training (``best``, of ``best_n``), bad-value starts 2% better than plain (``better``,
     of ``bad_n``) and within 5% of the grid's best (``near``)."""
-    rs = [r for r in rows(method, store, grid, held) if r["done"]]
+    rs = [r for r in rows(method, store, grid, group) if r["done"]]
     best = [r for r in rs if r["start"] == "best"]
     bad = [r for r in rs if r["start"] == "bad"]
     return {"best": sum(r["got"] <= 1.02 * r["plain"] for r in best), "best_n": len(best),
@@ -191,17 +205,17 @@ def counts(method: str, store: dict[str, Any], grid: dict[str, Any], held: bool)
 
 
 def summary(method: str, store: dict[str, Any], grid: dict[str, Any]) -> list[str]:
-    """The bar's rows, design and held-out tasks apart."""
+    """The bar's rows, each set of tasks apart."""
     out = ["| tasks | from the best: within 2% of plain | the largest "
            "| from a bad value: 2%+ better than plain | ... within 5% of the grid's best "
            "| steps / plain (median) |",
            "| --- | ---: | ---: | ---: | ---: | ---: |"]
-    for held in (False, True):
-        rs = [r for r in rows(method, store, grid, held) if r["done"]]
+    for group, name in GROUPS.items():
+        rs = [r for r in rows(method, store, grid, group) if r["done"]]
         best = [r["got"] / r["plain"] for r in rs if r["start"] == "best"]
         bad = [r for r in rs if r["start"] == "bad"]
         n = len({r["task"] for r in rs})
-        label = f"{'held out' if held else 'design'} ({n})"
+        label = f"{name} ({n})"
         out.append(f"| {label} | {sum(x <= 1.02 for x in best)} of {len(best)} | "
                    f"{max(best, default=math.nan):.3f} | "
                    f"{sum(r['got'] <= 0.98 * r['plain'] for r in bad)} of {len(bad)} | "
@@ -211,7 +225,7 @@ def summary(method: str, store: dict[str, Any], grid: dict[str, Any]) -> list[st
 
 
 def grid_table(grid: dict[str, Any]) -> list[str]:
-    out = ["| task | held out | knobs | late | lrs | best cell (lr, knobs) | its loss | worst at its lr |",
+    out = ["| task | set | knobs | late | lrs | best cell (lr, knobs) | its loss | worst at its lr |",
            "| --- | --- | --- | --- | --- | --- | ---: | ---: |"]
     for name, ct in TASKS.items():
         if not gridded(ct, grid):
@@ -219,7 +233,8 @@ def grid_table(grid: dict[str, Any]) -> list[str]:
         best, cell = best_cell(ct, grid)
         row = [mean_val(grid, "plain", name, c) for c in cells_of(ct, grid) if c[0] == cell[0]]
         lrs = lrs_of(ct, grid)
-        out.append(f"| {name} | {'yes' if name in HELD_OUT else ''} | {' x '.join(ct.knob_names())} | "
+        group = next(g for g in GROUPS if in_group(name, g))
+        out.append(f"| {name} | {group} | {' x '.join(ct.knob_names())} | "
                    f"{'yes' if ct.late else ''} | {lrs[0]:.3g} .. {lrs[-1]:.3g} | {_shown(cell)} | "
                    f"{best:.4f} | {max(row) / best:.3f}x |")
     return out
@@ -237,24 +252,26 @@ HEAD = """## Co-exploration suite: the lr and other knobs, from a bad knob value
 Produced by `python -m benchmarks.knobs report` from the committed stores (`benchmarks/knobs/stored/`:
 the grid, `python -m benchmarks.knobs grid`; each method's runs, `python -m benchmarks.knobs eval
 --method M --store stored`, with `--held-out` for the held-out tasks; Optuna needs the `bench` extra).
-Fifteen set-ups, each with one or two knobs besides the lr; five are held out, committed with their
-grids before any search ran on the suite. A method starts from the grid's best cell, and from every
-other cell at the best cell's lr whose plain run is at least 5% worse (a bad knob value). Values are
-the mean validation loss of 2 seeds; "late": a set-up where the better regularization should show
-only late (small data, long runs, a model that overfits)."""
+Twenty set-ups, each with one or two knobs besides the lr. Ten are the design tasks. Five were held
+out, committed with their grids before any search ran on the suite; their cell-by-cell reading has
+since informed a design, so they are read ("first held-out set (read)"). Five more were committed
+with their grids before any search ran on them ("second held-out set"). A method starts from the
+grid's best cell, and from every other cell at the best cell's lr whose plain run is at least 5%
+worse (a bad knob value). Values are the mean validation loss of 2 seeds; "late": a set-up where the
+better regularization should show only late (small data, long runs, a model that overfits)."""
 
 
 def against(method: str, other: str, stores: dict[str, dict[str, Any]], grid: dict[str, Any]) -> list[str]:
     """Cell by cell (every start, the mean of its seeds): where ``method`` ends at or below ``other``."""
     out = [f"| tasks | {method} at or below {other} | ... from a bad value |", "| --- | ---: | ---: |"]
-    for held in (False, True):
-        mine = {(r["task"], r["cell"]): r for r in rows(method, stores[method], grid, held) if r["done"]}
-        theirs = {(r["task"], r["cell"]): r for r in rows(other, stores[other], grid, held) if r["done"]}
+    for group, name in GROUPS.items():
+        mine = {(r["task"], r["cell"]): r for r in rows(method, stores[method], grid, group) if r["done"]}
+        theirs = {(r["task"], r["cell"]): r for r in rows(other, stores[other], grid, group) if r["done"]}
         both = [(mine[k], theirs[k]) for k in mine if k in theirs]
         bad = [(a, b) for a, b in both if a["start"] == "bad"]
         n = len({a["task"] for a, _ in both})
         at = sum(a["got"] <= b["got"] for a, b in both)
-        out.append(f"| {'held out' if held else 'design'} ({n}) | {at} of {len(both)} | "
+        out.append(f"| {name} ({n}) | {at} of {len(both)} | "
                    f"{sum(a['got'] <= b['got'] for a, b in bad)} of {len(bad)} |")
     return out
 
@@ -267,8 +284,8 @@ def section(grid: dict[str, Any], stores: dict[str, dict[str, Any]]) -> str:
                 *against("Forks", "Optuna", stores, grid)]
     for method, store in stores.items():
         out += ["", f"### {LABELS.get(method, method)}", "", *summary(method, store, grid)]
-        for held in (False, True):
-            out += ["", f"{'Held out' if held else 'Design tasks'}:", "", *table(method, store, grid, held)]
+        for group, name in GROUPS.items():
+            out += ["", f"{name[0].upper() + name[1:]}:", "", *table(method, store, grid, group)]
     return "\n".join(out) + "\n"
 
 
@@ -309,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     e = sub.add_parser("eval")
     e.add_argument("--method", required=True, choices=list(METHODS))
     e.add_argument("--tasks", nargs="+", default=None)
-    e.add_argument("--held-out", action="store_true", help="the held-out tasks (default: the design tasks)")
+    e.add_argument("--held-out", action="store_true",
+                   help="the tasks of both held-out sets (default: the design tasks)")
     e.add_argument("--jobs", type=int, default=2)
     e.add_argument("--store", choices=("stored", "runs"), default="runs")
     sub.add_parser("report")
@@ -327,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     store = _load(path)
     todo = [(a.method, n, cell, s) for n in names for _, cell in starts(TASKS[n], grid) for s in SEEDS]
     _execute(todo, store, path, a.jobs)
-    for held in (False, True):
-        print(f"\n{'held out' if held else 'design'}:\n" + "\n".join(table(a.method, store, grid, held)))
+    for group, label in GROUPS.items():
+        print(f"\n{label}:\n" + "\n".join(table(a.method, store, grid, group)))
     print("\n" + "\n".join(summary(a.method, store, grid)))
     return 0
 
