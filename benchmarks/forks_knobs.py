@@ -8,9 +8,10 @@ with no knob and with one, two and three knobs besides the learning rate.
 An MLP (64 -> 256 -> 256 -> 10, two ``nn.Dropout`` at 0.1) on scikit-learn's bundled digits,
 AdamW (weight decay 0.01) under a cosine schedule, batches of 64 from the first 1,000 rows,
 300 optimizer steps; the probe is 400 of the other rows, scored per example without smoothing.
-At the defaults the knobs add two forks in all, whatever their number: branched from your run at
-70% of the run (``knob_start``), one with every knob moved up by its spread, one down
-(``knob_design="joint"``), both to the end: ``hpx.Dropout(spread=0.2)``,
+At the defaults (``knob_design="split"``) each knob with a lower side adds a fork from the start,
+that knob moved down by its spread, raced and cut with the lr's forks, and the knobs add one fork
+in all, every knob moved up, branched from your run at 70% of the run (``knob_start``) and run to
+the end: ``hpx.Dropout(spread=0.2)``,
 then ``hpx.WeightDecay(group=0, span=10)``, then ``hpx.LabelSmoothing(base=0.1, spread=0.05)``
 (the training loss reads the fork's value).
 
@@ -147,9 +148,11 @@ def section(res: list[dict[str, Any]], command: str, wall: float, on: str) -> st
              f"`benchmarks/forks_knobs.py` (an MLP with dropout on digits, {STEPS} steps, AdamW under a "
              "cosine schedule, Forks at its default cuts, with 0-3 knobs besides the learning rate; "
              f"wall time against plain training in the same round, the median of {REPEATS} rounds). "
-             "At the defaults the knobs add two forks in all, whatever their number, branched from your "
-             "run at 70% of it, one moving every knob up by its spread and one down, both to the end "
-             "(0.6 of a run's steps); the lr's forks are those of a run without knobs.", "",
+             "At the defaults each knob with a lower side adds a fork from the start (that knob moved "
+             "down by its spread, raced and cut with the lr's forks: 0.15 of a run's steps when the "
+             "first cut drops it), and the knobs add one fork in all, every knob moved up, branched from "
+             "your run at 70% of it and run to the end (0.3); the lr's forks are those of a run without "
+             "knobs.", "",
              "| knobs besides the lr | forks at the start | optimizer steps / plain's "
              "| wall time / plain's |",
              "| --- | ---: | ---: | ---: |"]

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import hpx
-from hpx.forks.late import corrected, knob_settings
+from hpx.forks.late import corrected, knob_settings, split_early
 from tests.test_forks import BATCHES, PROBE, _adamw_onecycle, _loss, _net, _plain, _same
 
 pytestmark = pytest.mark.quick
@@ -38,15 +38,58 @@ def test_joint_design_moves_every_knob_to_one_side():
         {"dropout": 0.3, "label_smoothing": 0.1}]
 
 
-def test_knob_forks_branch_from_your_run_at_knob_start_and_are_not_cut():
-    """knob_start=0.5 on 30 steps: the lr forks alone until step 15, then two dropout forks that
-    hold your run's weights at step 15 with their own rates, at your multiple; the cuts before them
-    (10% and 25%) leave them alone, and every fork trained after the branch reaches the end."""
+def test_split_design_races_each_lower_side_from_the_start_and_branches_the_upper_late():
+    a, b = hpx.Dropout(spread=0.2, base=0.3), hpx.LabelSmoothing(spread=0.1, base=0.0)
+    sides = {"dropout": [0.1, 0.5], "label_smoothing": [0.1]}
+    bases = {"dropout": 0.3, "label_smoothing": 0.0}
+    # label smoothing at its lower bound has no lower side: one early fork, for the dropout alone
+    assert split_early([a, b], bases, sides) == [{"dropout": 0.1, "label_smoothing": 0.0}]
+    assert knob_settings([a, b], bases, "split", sides) == [{"dropout": 0.5, "label_smoothing": 0.1}]
+    assert split_early([b], {"label_smoothing": 0.0}, {"label_smoothing": [0.1]}) == []
+
+
+def test_the_default_split_design_on_a_run():
+    """knob_start=0.5 on 30 steps at the defaults: the lower dropout fork starts with the lr's forks
+    and is scored by the first cut with them; at step 15 the upper one branches from your run, a
+    copy of its weights, and it ends among the finished challengers. With knob_start=0 both sides
+    start with the lr's forks."""
     model = _net(p=0.2)
     opt, sched = _adamw_onecycle(model, 0.01)
     torch.manual_seed(5)
     forks = hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE, confidence=1e9,
                       knobs=[hpx.Dropout(spread=0.1)], knob_start=0.5)
+    assert forks.knob_design == "split"
+    assert [round(f, 3) for f in forks.factors] == [1.0, 0.1, 0.316, 3.162, 10.0, 1.0]
+    assert [_dropouts(f.model) for f in forks._forks] == [[0.2]] * 5 + [[pytest.approx(0.1)]]
+    for b in BATCHES[:15]:
+        forks.step(_loss, b)
+    first = next(r for r in forks.history if r.phase == "cut")
+    assert len(first.scores) == 6 and round(first.values["dropout"][-1], 3) == 0.1  # raced with the lr's
+    upper = forks._forks[-1]
+    assert upper.late and _dropouts(upper.model) == [pytest.approx(0.3)] and _same(forks._forks[0].model,
+                                                                                   upper.model)
+    assert not any(f.late for f in forks._forks[:-1])
+    for b in BATCHES[15:30]:
+        forks.step(_loss, b)
+    end = forks.history[-1]
+    assert end.phase == "end" and round(end.values["dropout"][-1], 3) == 0.3
+    assert all(math.isfinite(s) for s in end.scores)
+    net = _net(p=0.2)
+    at_start = hpx.Forks(net, torch.optim.SGD(net.parameters(), lr=0.05), total_steps=30, probe=PROBE,
+                         knobs=[hpx.Dropout(spread=0.1)], knob_start=0)
+    assert [round(_dropouts(f.model)[0], 3) for f in at_start._forks] == [0.2] * 5 + [0.1, 0.3]
+
+
+def test_knob_forks_branch_from_your_run_at_knob_start_and_are_not_cut():
+    """knob_start=0.5 on 30 steps, the joint design: the lr forks alone until step 15, then two
+    dropout forks that hold your run's weights at step 15 with their own rates, at your multiple;
+    the cuts before them (10% and 25%) leave them alone, and every fork trained after the branch
+    reaches the end."""
+    model = _net(p=0.2)
+    opt, sched = _adamw_onecycle(model, 0.01)
+    torch.manual_seed(5)
+    forks = hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE, confidence=1e9,
+                      knobs=[hpx.Dropout(spread=0.1)], knob_start=0.5, knob_design="joint")
     for b in BATCHES[:14]:
         forks.step(_loss, b)
     assert len(forks.factors) == 2 and all(_dropouts(f.model) == [0.2] for f in forks._forks)
@@ -68,7 +111,7 @@ def test_a_branched_fork_is_plain_training_that_switched_its_rate_at_the_branch(
     torch.manual_seed(11)
     forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), total_steps=20,
                       probe=PROBE, multiples=(1.0,), cuts=(), confidence=0, knob_start=0.5,
-                      knobs=[hpx.Dropout(spread=0.2)])
+                      knobs=[hpx.Dropout(spread=0.2)], knob_design="joint")
     for b in BATCHES[:20]:
         forks.step(_loss, b)
     end = forks.history[-1]
@@ -174,7 +217,7 @@ def test_knob_forks_branched_before_a_cut_are_kept_by_it_without_annealed_copies
     opt, sched = _adamw_onecycle(model, 0.01)
     torch.manual_seed(5)
     forks = hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE, confidence=1e9,
-                      knobs=[hpx.Dropout(spread=0.1)], knob_start=0.1)
+                      knobs=[hpx.Dropout(spread=0.1)], knob_start=0.1, knob_design="joint")
     copies = []
     for b in BATCHES[:30]:
         forks.step(_loss, b)

@@ -67,8 +67,8 @@ def _three_ways(rank: int, world: int) -> dict:
     taken: list[int] = []
     real = early.train_each
     hpx.forks.search.train_each = lambda *a: taken.append(a[0].step_count) or real(*a)
-    runs = {how: _forks(TorchDistributed(), knobs=[hpx.Dropout(spread=0.1)], knob_start=0.3)
-            for how in ("new", "old", "joint")}
+    runs = {how: _forks(TorchDistributed(), knobs=[hpx.Dropout(spread=0.1)], knob_start=0.3,
+                        knob_design="joint") for how in ("new", "old", "joint")}
     runs["old"]._overlap = runs["joint"]._overlap = False
     same, freed, copies = [], [], 0
     for i, b in enumerate(BATCHES[:SHORT]):

@@ -32,7 +32,7 @@ from benchmarks import (
 )
 from benchmarks.knobs import __main__ as knobs_suite
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize, staged, warmup
+from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize, sidebyside, staged, warmup
 from benchmarks.lr.tasks import TASKS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -42,7 +42,8 @@ COMMANDS = {suite.store_path("Forks"): "python -m benchmarks.lr eval --method Fo
             noise.PATH: "python -m benchmarks.lr.noise",
             **{p: ceiling.COMMAND for p in (ceiling.STORE, ceiling.CHUNKS, ceiling.HALVES)},
             probesize.STORE: probesize.COMMAND, carve.STORE: carve.COMMAND, warmup.STORE: warmup.COMMAND,
-            staged.STORE: staged.COMMAND}
+            staged.STORE: staged.COMMAND, sidebyside.STORE: sidebyside.COMMAND,
+            sidebyside.GRID: sidebyside.COMMAND}
 
 
 def committed(marker: str) -> str:
@@ -128,23 +129,24 @@ def test_the_knobs_suites_section_is_its_committed_stores_read():
 
 
 def test_the_readmes_co_exploration_figures_are_the_stores():
-    """The README's held-out co-exploration counts are the knobs suite's committed runs."""
+    """The README's co-exploration counts on the second held-out set are the knobs suite's committed
+    runs."""
     stores = {m: knobs_suite.STORED / f"{m}.json" for m in knobs_suite.REPORTED}
     if not all(p.exists() for p in stores.values()):
         pytest.skip("the co-exploration suite's runs are not committed yet (`python -m benchmarks.knobs "
                     "eval`)")
     grid = knobs_suite._load(knobs_suite.GRID)
-    got = {m: knobs_suite.counts(m, knobs_suite._load(p), grid, held=True) for m, p in stores.items()}
+    got = {m: knobs_suite.counts(m, knobs_suite._load(p), grid, "second") for m, p in stores.items()}
     readme = " ".join((DOC.parents[1] / "README.md").read_text().split())
-    said = re.search(r"On the co-exploration suite's (\d+) held-out set-ups, started at the grid's "
+    said = re.search(r"On the co-exploration suite's (\d+) fresh held-out set-ups, started at the grid's "
                      r"best cell it stays within 2% of plain training on (\d+) of (\d+); from a worse knob "
                      r"value it ends at least 2% better than plain training from (\d+) of (\d+) starts "
                      r"\(with the knob forks from the start, as before: (\d+); Optuna at the same steps: "
                      r"(\d+)\)", readme)
     assert said, "the README states no held-out co-exploration figures"
-    f, o = got["Forks"], got["Optuna"]
-    assert [int(x) for x in said.groups()] == [len(knobs_suite.HELD_OUT), f["best"], f["best_n"], f["better"],
-                                              f["bad_n"], got["Forks-start"]["better"], o["better"]]
+    f, o, start = got["Forks"], got["Optuna"], got["Forks-start"]
+    assert [int(x) for x in said.groups()] == [len(knobs_suite.SECOND_HELD_OUT), f["best"], f["best_n"],
+                                              f["better"], f["bad_n"], start["better"], o["better"]]
 
 
 def test_the_cost_section_is_its_committed_store_read():
@@ -237,6 +239,14 @@ def test_the_eighth_held_out_section_is_its_committed_store_read():
     assert committed(staged.MARKER) == f"\n## {staged.TITLE}\n\n{body}"
 
 
+def test_the_side_by_side_section_is_its_committed_stores_read():
+    """``python -m benchmarks.lr.sidebyside --report-only``: the section from that machine's own grid
+    of the held-out tasks and hpx.Forks' and Optuna's runs against it."""
+    needs(sidebyside.STORE, sidebyside.GRID)
+    body = sidebyside.section(suite._load(sidebyside.GRID), suite._load(sidebyside.STORE))
+    assert committed(sidebyside.MARKER) == f"\n## {sidebyside.TITLE}\n\n{body}"
+
+
 def test_the_readmes_warmup_figures_are_the_eighth_sets():
     """The README's line on the eighth held-out set reads the section's figures."""
     grids, store = suite._load(suite.GRIDS), suite._load(staged.STORE)
@@ -255,8 +265,8 @@ def test_the_readmes_cost_with_knobs_is_the_stores():
         pytest.skip(f"not committed yet: {_store.shown(forks_knobs.STORE)} (`{forks_knobs.COMMAND}`)")
     rows = json.loads(forks_knobs.STORE.read_text())["res"]
     readme = " ".join((DOC.parents[1] / "README.md").read_text().split())
-    said = re.search(r"knobs add at most two forks in all, branched at 70% of the run: (.*?) \(`python -m "
-                     r"benchmarks\.forks_knobs`\)", readme)
+    said = re.search(r"knobs add a fork per knob with a lower side, raced from the start, and one branched "
+                     r"at 70% of the run: (.*?) \(`python -m benchmarks\.forks_knobs`\)", readme)
     assert said, "the README's Cost line names no figure with knobs"
     assert re.findall(r"(\d\.\d)x", said.group(1)) == [f"{r['steps']:.1f}" for r in rows if r["count"]]
 

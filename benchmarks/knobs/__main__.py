@@ -241,11 +241,13 @@ def grid_table(grid: dict[str, Any]) -> list[str]:
 
 
 MARKER = "knobs-suite"
-# the methods whose committed runs the section shows, in this order: hpx.Forks at its defaults, at the
-# defaults before issue 49 (knob forks from the start, cut with the lr's), Optuna at the same steps
-REPORTED = ("Forks", "Forks-start", "Optuna")
-LABELS = {"Forks": "hpx.Forks at its defaults (two knob forks branched at 70% of the run)",
-          "Forks-start": "hpx.Forks with the knob forks from the start, cut with the lr's (before)",
+# the methods whose committed runs the section shows, in this order: hpx.Forks at its defaults (the
+# split design), at the defaults before it (two joint knob forks at 70%), at the defaults before issue
+# 49 (knob forks from the start, cut with the lr's), Optuna at the same steps
+REPORTED = ("Forks", "late70-joint", "Forks-start", "Optuna")
+LABELS = {"Forks": "hpx.Forks at its defaults (lower sides raced from the start, upper branched at 70%)",
+          "late70-joint": "hpx.Forks with two joint knob forks branched at 70% of the run (defaults before)",
+          "Forks-start": "hpx.Forks with the knob forks from the start, cut with the lr's (before issue 49)",
           "Optuna": "Optuna: TPE + successive halving over separate trials, at 2.9x plain training's steps"}
 HEAD = """## Co-exploration suite: the lr and other knobs, from a bad knob value and from the best
 

@@ -112,7 +112,7 @@ def _optuna(ct: CoTask, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
 # method -> the route (a function of the task, its objects and the run's seed). "Forks": hpx.Forks at
 # its defaults.
 METHODS: dict[str, Callable[..., Any]] = {
-    "Forks": _forks({}),
+    "Forks": _forks({}),  # knob_design="split": the lower sides raced from the start, the upper joint at 70%
     # the defaults before issue 49: two forks per knob from the start, cut with the lr's forks
     "Forks-start": _forks({"knob_start": 0.0, "knob_design": "each"}),
     # knob forks branched from your run at a share of the run, each knob to each side or jointly

@@ -5,6 +5,10 @@ What a knob such as dropout or weight decay buys often shows only late: more reg
 slower early and pays once the model would overfit, so a cut early in the run drops it. Knob forks
 may therefore branch from your run later in the run (``knob_start``, a share of the run) and go
 to the end uncut, where finished runs are compared: a fork that wins is a run that ended better.
+Less regularization is the other way round: it pays from the first steps, where a cut sees it, and
+a fork branched late has too little of the run left to show it. The default design, ``"split"``,
+follows both: the lower sides start with the lr's forks and are raced and cut with them (one fork
+per knob), the upper sides branch late as one joint fork.
 
 The end's test compares your run with the best of the challengers still running. With several of
 them the best is the luckiest as well as the best (a winner's curse on the probe that chose it),
@@ -20,9 +24,9 @@ from statistics import NormalDist
 
 from hpx.knobs.base import Knob
 
-__all__ = ["DESIGNS", "corrected", "knob_settings"]
+__all__ = ["DESIGNS", "corrected", "knob_settings", "planned", "split_early"]
 
-DESIGNS = ("each", "joint")
+DESIGNS = ("each", "joint", "split")
 
 
 def knob_settings(knobs: Sequence[Knob], bases: dict[str, float], design: str,
@@ -32,10 +36,15 @@ def knob_settings(knobs: Sequence[Knob], bases: dict[str, float], design: str,
     * ``"each"``: two forks per knob, each moving that knob alone to one side (``sides[name]``: the
       sides inside its bounds, lower first when both are);
     * ``"joint"``: two forks in all, one moving every knob to its lower side, one to its upper side
-      (a knob with no side there stays at your value), so a winner may move several knobs at once.
+      (a knob with no side there stays at your value), so a winner may move several knobs at once;
+    * ``"split"``: the joint upper fork alone (the lower sides start with the run:
+      :func:`split_early`).
     """
     if design == "each":
         return [{**bases, k.name: v} for k in knobs for v in sides[k.name]]
+    if design == "split":  # the lower sides start with the lr's forks (split_early); the upper, joint, late
+        return [v for v in knob_settings(knobs, bases, "joint", sides)
+                if any(v[k.name] > bases[k.name] for k in knobs)]
     out: list[dict[str, float]] = []
     for up in (False, True):
         moved = dict(bases)
@@ -46,6 +55,23 @@ def knob_settings(knobs: Sequence[Knob], bases: dict[str, float], design: str,
         if moved != bases and moved not in out:
             out.append(moved)
     return out
+
+
+def split_early(knobs: Sequence[Knob], bases: dict[str, float],
+                sides: dict[str, list[float]]) -> list[dict[str, float]]:
+    """``"split"``'s forks from the run's start, raced and cut with the lr's: one per knob with a
+    lower side, that knob moved down (less regularization pays from the first steps, where a cut
+    sees it); the upper sides branch late, jointly (:func:`knob_settings`)."""
+    return [{**bases, k.name: v} for k in knobs for v in sides[k.name] if v < bases[k.name]]
+
+
+def planned(knobs: Sequence[Knob], bases: dict[str, float], design: str, start: float,
+            sides: dict[str, list[float]]) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
+    """The knob forks of a run: ``(those that start with the lr's forks, those that branch from your
+    run at knob_start=start)``; with ``start == 0`` every one starts with the lr's."""
+    early = split_early(knobs, bases, sides) if design == "split" else []
+    late = knob_settings(knobs, bases, design, sides)
+    return (early + late, []) if start == 0 else (early, late)
 
 
 def corrected(confidence: float, challengers: int) -> float:

@@ -22,11 +22,11 @@ model holding the winner. A last cut that keeps one (``cuts=((0.05, 2), (0.54, 1
 decision before the run's end instead, on annealed copies of your run and the challenger; the
 rest of the run is plain training at the winner's multiple.
 
-Other knobs (``knobs=[hpx.Dropout(spread=0.2), ...]``) add two forks in all, branched from your
-run at 70% of the run (``knob_start``), one with every knob moved up by its spread, one down
-(``knob_design="joint"``); they go to the end uncut, since what regularization buys often shows
-only late, and the end compares them with your run as finished runs, the bar raised for the number
-of challengers (0.6x plain training's steps more, whatever the number of knobs).
+Other knobs (``knobs=[hpx.Dropout(spread=0.2), ...]``, ``knob_design="split"``): one fork per
+knob moved down by its spread is raced with the lr's forks from the start (less regularization pays
+early, where a cut sees it); one fork with every knob moved up branches from your run at 70% of the
+run (``knob_start``) and goes to the end uncut (more regularization pays late). The end compares
+the finished challengers with your run, the bar raised for their number (``hpx.forks.late``).
 
 It costs optimizer steps (5 forks to 10% of the run, 3 to 25%, 2 to the end, and the annealed
 copies: about 3x plain training's). Memory: what a fork trains is its own (trainable parameters,
@@ -80,7 +80,7 @@ from hpx.forks.fork import (
     knobs_problems,
     model_params,
 )
-from hpx.forks.late import DESIGNS, knob_settings
+from hpx.forks.late import DESIGNS, planned
 from hpx.forks.misuse import _Guards, _stepped_apart, model_problems, reached
 from hpx.forks.probe import _layout, _Scoring, first_checked, probes_alike, ranks_start_alike
 from hpx.forks.ranks import mean_over_ranks
@@ -108,8 +108,9 @@ CONFIDENCE = 2.0
 KNOB_START = 0.7
 """The share of the run at which the knob forks branch from your run (``docs/method.md``, "Knobs that
 pay late")."""
-KNOB_DESIGN = "joint"
-"""Two knob forks in all, one moving every knob up by its spread, one every knob down."""
+KNOB_DESIGN = "split"
+"""The lower sides (one fork per knob) raced from the start with the lr's forks; the upper, one joint
+fork, branched late (``docs/method.md``, "Knobs that pay late")."""
 
 
 class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
@@ -144,18 +145,19 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
         confidence: ``z``: the challenger replaces your run only if it wins by ``z`` standard
             errors (``0``: whichever scores better).
         knobs: other knobs to fork, each declared with a spread (``hpx.Dropout(spread=0.2)``,
-            ``hpx.WeightDecay(span=10)``, ``hpx.LabelSmoothing(spread=0.1)``): two more forks
-            per knob, at your lr, with the knob moved by its spread to each side of your value
-            (a side outside the knob's bounds is left out; a multiplicative knob at 0 forks upward
-            to its ``from_zero``). A challenger changes the lr or one knob.
+            ``hpx.WeightDecay(span=10)``, ``hpx.LabelSmoothing(spread=0.1)``): forks at your lr
+            with knobs moved by their spreads, down and up (``knob_design``; a side outside a
+            knob's bounds is left out; a multiplicative knob at 0 forks upward to its
+            ``from_zero``). A challenger changes the lr or the knobs, not both.
         knob_start: the share of the run at which the knob forks branch from your run, each a copy
             of it as it is then at its knob values, going to the end uncut (default 0.7; ``0``:
             they start with the lr's forks and are cut with them). What regularization buys often
             shows only late, and a finished run is what the end compares.
-        knob_design: ``"joint"`` (default): two knob forks in all, one moving every knob up by its
-            spread, one every knob down, so a winner moves several knobs at once; ``"each"``: two
-            forks per knob, one to each side. With several challengers at the end, the best must
-            clear ``confidence`` raised for their number (:func:`hpx.forks.late.corrected`).
+        knob_design: ``"split"`` (default): one fork per knob moved down by its spread, raced from
+            the start with the lr's forks, and one with every knob moved up, branched at
+            ``knob_start``; ``"joint"``: both branched there, every knob moved down in one, up in
+            the other; ``"each"``: two per knob there. The best of several challengers at the end
+            must clear ``confidence`` raised for their number (:func:`hpx.forks.late.corrected`).
         backend: the :class:`~hpx.backends.Collective` (default: this process alone); with
             ``hpx.backends.TorchDistributed()`` each fork is data-parallel over the ranks.
         on_sync: a function (or a list of them) called with the :class:`~hpx.SyncRecord` of each
@@ -266,10 +268,8 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
         settings = [(m, bases) for m in self.multiples if m != 1.0]
         self.knob_start, self.knob_design = float(knob_start), str(knob_design)
         sides = {k.name: knob_values(k) for k in self.knobs}
-        late = knob_settings(self.knobs, bases, self.knob_design, sides)
-        if self.knob_start == 0:  # the knob forks start with the lr's; else they branch later (_branch)
-            settings, late = settings + [(1.0, v) for v in late], []
-        self._late = late
+        early, self._late = planned(self.knobs, bases, self.knob_design, self.knob_start, sides)
+        settings += [(1.0, v) for v in early]  # raced and cut with the lr's; the late ones branch (_branch)
         self._late_at = max(1, round(self.knob_start * self.total_steps))
         if self.cuts and self.cuts[0][1] >= 1 + len(settings):
             raise ConfigError([f"the first cut of cuts={list(self.cuts)} keeps {self.cuts[0][1]} of the "
