@@ -75,7 +75,10 @@ def test_the_table_has_min_median_max_and_the_ratio_of_medians(tiny):
             cells = rows[(model, method)]
             lo, median, hi, ratio = (_num(c) for c in cells[2:6])
             assert 0 < lo <= median <= hi and math.isfinite(hi), cells
-            assert ratio == pytest.approx(median / plain_median, abs=0.011), cells  # the medians' ratio
+            # the medians' ratio, up to the table's rounding (two decimals on each median and on the
+            # ratio): a plain median of 2 ms alone moves the ratio of the shown medians by 0.01
+            shown = 0.005 + (median / plain_median) * (0.005 / median + 0.005 / plain_median)
+            assert ratio == pytest.approx(median / plain_median, abs=shown), cells
             assert cells[6:10] == ["n/a"] * 4, cells  # a CPU's memory is not measured
             rate, unit = cells[10].split()
             assert _num(rate) > 0 and unit == {"lm": "tokens/s", "cnn": "images/s", "mlp": "rows/s"}[model]
