@@ -33,6 +33,7 @@ from benchmarks import (
 from benchmarks.knobs import __main__ as knobs_suite
 from benchmarks.lr import __main__ as suite
 from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize, sidebyside, staged, warmup
+from benchmarks.lr import tasks as suite_tasks
 from benchmarks.lr.tasks import TASKS
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -245,6 +246,19 @@ def test_the_side_by_side_section_is_its_committed_stores_read():
     needs(sidebyside.STORE, sidebyside.GRID)
     body = sidebyside.section(suite._load(sidebyside.GRID), suite._load(sidebyside.STORE))
     assert committed(sidebyside.MARKER) == f"\n## {sidebyside.TITLE}\n\n{body}"
+
+
+def test_the_readmes_side_by_side_figures_are_the_stores():
+    """The README's line on Optuna beside hpx.Forks on the held-out tasks reads that section's stores."""
+    needs(sidebyside.STORE, sidebyside.GRID)
+    grids, store = suite._load(sidebyside.GRID), suite._load(sidebyside.STORE)
+    rows = {m: suite.table(m, list(suite_tasks.HELD_OUT), grids, store) for m in sidebyside.METHODS}
+    at, n = sidebyside._at_or_below(rows["Forks"], rows["Optuna"])
+    off = {m: sum(sidebyside._within(rows[m], s)[0] for s in ("0.1x", "10x")) for m in sidebyside.METHODS}
+    readme = " ".join((DOC.parents[1] / "README.md").read_text().split())
+    assert (f"it ends at or below Optuna's loss in {at} of {n} cells; from 10x too low or too high Optuna "
+            f"ends within 5% of the grid's best in {off['Optuna']} of {2 * len(suite_tasks.HELD_OUT)} cells, "
+            f"hpx.Forks in {off['Forks']}.") in readme
 
 
 def test_the_readmes_warmup_figures_are_the_eighth_sets():
