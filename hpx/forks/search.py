@@ -149,10 +149,10 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
             with knobs moved by their spreads, down and up (``knob_design``; a side outside a
             knob's bounds is left out; a multiplicative knob at 0 forks upward to its
             ``from_zero``). A challenger changes the lr or the knobs, not both.
-        knob_start: the share of the run at which the knob forks branch from your run, each a copy
-            of it as it is then at its knob values, going to the end uncut (default 0.7; ``0``:
-            they start with the lr's forks and are cut with them). What regularization buys often
-            shows only late, and a finished run is what the end compares.
+        knob_start: the share of the run at which the late knob forks (the upper one under
+            ``"split"``) branch from your run, each a copy of it then at its knob values, going to
+            the end uncut (default 0.7; ``0``: every knob fork starts with the lr's and is cut with
+            them). What more regularization buys often shows only late, as a finished run.
         knob_design: ``"split"`` (default): one fork per knob moved down by its spread, raced from
             the start with the lr's forks, and one with every knob moved up, branched at
             ``knob_start``; ``"joint"``: both branched there, every knob moved down in one, up in
