@@ -42,6 +42,7 @@ from benchmarks.lr.__main__ import (
     write_section,
 )
 from benchmarks.lr.run import Run, execute
+from benchmarks.lr.staged import _at_or_below, _within
 from benchmarks.lr.tasks import HELD_OUT
 
 __all__ = ["COMMAND", "GRID", "MARKER", "METHODS", "STORE", "TITLE", "main", "section"]
@@ -72,17 +73,6 @@ def _repeats(task: str, grids: dict[str, Any]) -> None:
                          f"runs made here cannot be compared with it. Rebuild the section from the stores "
                          f"(`{COMMAND} --report-only`), or move both stores aside and rerun `{COMMAND}` to "
                          "make this machine's own grid and runs (about 70 minutes on two cores)")
-
-
-def _within(rows: list[dict[str, Any]], start: str, bar: float = 1.05) -> tuple[int, int]:
-    part = [r for r in rows if r["start"] == start]
-    return sum(not math.isnan(r["vs_oracle"]) and r["vs_oracle"] <= bar for r in part), len(part)
-
-
-def _at_or_below(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[int, int]:
-    """Cells where ``a``'s validation loss (mean of the seeds) is at or below ``b``'s (NaN: a miss)."""
-    ok = [not math.isnan(x["hpx"]) and (math.isnan(y["hpx"]) or x["hpx"] <= y["hpx"]) for x, y in zip(a, b)]
-    return sum(ok), len(a)
 
 
 def section(grids: dict[str, Any], store: dict[str, Any]) -> str:
