@@ -16,8 +16,8 @@ extended by half-decades, twice at most). A method starts from:
 
 Values are the mean of the 2 seeds' validation losses. Stores: ``benchmarks/knobs/stored/`` (the
 grid and the reported methods' runs, committed); ``--store runs`` keeps a method's runs in
-``runs/knobs/`` (gitignored) for exploration. The held-out sets (``FIRST_HELD_OUT``, read since, and
-``SECOND_HELD_OUT``) are reported apart from the design tasks and from each other.
+``runs/knobs/`` (gitignored) for exploration. The held-out sets (``FIRST_HELD_OUT``, read since,
+``SECOND_HELD_OUT`` and ``THIRD_HELD_OUT``) are reported apart from the design tasks and from each other.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.knobs.run import METHODS, key, run
-from benchmarks.knobs.tasks import FIRST_HELD_OUT, HELD_OUT, SECOND_HELD_OUT, TASKS, CoTask
+from benchmarks.knobs.tasks import FIRST_HELD_OUT, HELD_OUT, SECOND_HELD_OUT, TASKS, THIRD_HELD_OUT, CoTask
 
 ROOT = Path(__file__).resolve().parents[2]
 STORED = Path(__file__).with_name("stored")
@@ -143,16 +143,17 @@ def gridded(ct: CoTask, grid: dict[str, Any]) -> bool:
 
 
 # The task sets the tables report apart: the design tasks, the first held-out set (read: its cell-by-cell
-# reading informed the design after it, so it no longer counts as held out) and the second held-out set.
+# reading informed the design after it, so it no longer counts as held out), the second and the third.
 GROUPS: dict[str, str] = {"design": "design", "first": "first held-out set (read)",
-                          "second": "second held-out set"}
+                          "second": "second held-out set", "third": "third held-out set"}
+_SETS = {"first": FIRST_HELD_OUT, "second": SECOND_HELD_OUT, "third": THIRD_HELD_OUT}
 
 
 def in_group(name: str, group: str) -> bool:
     """Whether task ``name`` belongs to ``group`` (a key of :data:`GROUPS`)."""
     if group == "design":
         return name not in HELD_OUT
-    return name in (FIRST_HELD_OUT if group == "first" else SECOND_HELD_OUT)
+    return name in _SETS[group]
 
 
 def rows(method: str, store: dict[str, Any], grid: dict[str, Any], group: str) -> list[dict[str, Any]]:

@@ -34,7 +34,8 @@ from torch import nn
 
 from benchmarks.lr.tasks import Task, _split, _tabular, _text, _windows
 
-__all__ = ["HELD_OUT", "KNOBS", "TASKS", "CoTask", "get_task"]
+__all__ = ["FIRST_HELD_OUT", "HELD_OUT", "KNOBS", "SECOND_HELD_OUT", "TASKS", "THIRD_HELD_OUT", "CoTask",
+           "get_task"]
 
 KNOBS = ("dropout", "weight_decay", "label_smoothing", "temperature")
 LR_STEPS = (-2, -1, 0, 1, 2)  # the grid's peak lrs: center * 10 ** (k / 2)
@@ -340,6 +341,27 @@ TASKS: dict[str, CoTask] = {t.name: t for t in [
        name="k_char_tf_dropout_wd", family="transformer", optim="adamw", sched="cosine", steps=400, batch=16,
        center=3e-3, data=lambda: _chars_small(32, 40_000), net=lambda d: _TinyLM(d["classes"], 32),
        title="char transformer LM (2 layers, d 32), 40,000 characters, AdamW, cosine: dropout x decay"),
+    # --- the third held-out set (committed with its grids before any search ran on it; see HELD_OUT)
+    _c({"weight_decay": (0.0, 5e-4, 5e-3, 5e-2)}, late=True,
+       name="k_synth6_sgd_wd", family="tabular", optim="sgd", sched="cosine", steps=1000, batch=32,
+       center=3e-2, data=lambda: _synth(34, 6), net=lambda d: _mlp([20, 384, 384, 6]),
+       title="6-class synthetic classification, 300 rows, MLP 20-384-384-6, SGD + momentum (L2), cosine"),
+    _c({"dropout": (0.0, 0.2, 0.4, 0.6)}, late=True,
+       name="k_digits_cnn_dropout", family="cnn", optim="adam", sched="onecycle", steps=500, batch=32,
+       center=1e-3, data=lambda: _digits_small(300, "image"), net=lambda d: _cnn(),
+       title="digits, 300 training images, CNN with dropout, Adam, OneCycle, 500 steps"),
+    _c({"label_smoothing": (0.0, 0.05, 0.15, 0.3)},
+       name="k_char_gru_ls", family="rnn", optim="adam", sched="cosine", steps=400, batch=16,
+       center=3e-3, data=lambda: _chars_small(32, 400_000), net=lambda d: _GruLM(d["classes"], hidden=96),
+       title="char GRU LM (hidden 96) on 400,000 characters, Adam, cosine, label smoothing"),
+    _c({"dropout": (0.0, 0.3, 0.6), "label_smoothing": (0.0, 0.1, 0.3)}, late=True,
+       name="k_moons_dropout_ls", family="tabular", optim="adamw", sched="linear", steps=1500, batch=32,
+       center=3e-3, data=_moons_small, net=lambda d: _mlp([2, 256, 256, 2]),
+       title="two moons, 150 rows, MLP 2-256-256-2, AdamW, warm-up + linear: dropout x label smoothing"),
+    _c({"dropout": (0.0, 0.2, 0.4), "weight_decay": (0.0, 0.3, 3.0)}, late=True,
+       name="k_friedman_dropout_wd", family="tabular", optim="adamw", sched="onecycle", steps=800, batch=32,
+       center=1e-3, data=lambda: _friedman_small(25), net=lambda d: _mlp([10, 256, 256, 1]), kind="reg",
+       title="Friedman #1 regression (a third draw), 200 rows, MLP, AdamW, OneCycle: dropout x weight decay"),
 ]}
 
 # Held out: kept out of every design decision of the search; committed with their grids before any
@@ -357,7 +379,15 @@ FIRST_HELD_OUT: tuple[str, ...] = ("k_digits400_dropout_sgd", "k_char_gru_dropou
 SECOND_HELD_OUT: tuple[str, ...] = ("k_synth5_dropout", "k_digits_cnn_ls", "k_friedman_wd",
                                     "k_digits250_dropout_ls", "k_char_tf_dropout_wd")
 
-HELD_OUT: tuple[str, ...] = FIRST_HELD_OUT + SECOND_HELD_OUT
+# The third held-out set: five set-ups committed with their grids (2026-11-29) before any search ran on
+# them, when the second set had been read once and a next design was about to be measured (docs/method.md,
+# "A ladder of lower forks"): a tabular MLP with coupled L2 under SGD, a CNN with dropout under OneCycle,
+# a GRU LM with label smoothing, and two 3-D grids (dropout x label smoothing on two moons, dropout x
+# weight decay on a regression under OneCycle).
+THIRD_HELD_OUT: tuple[str, ...] = ("k_synth6_sgd_wd", "k_digits_cnn_dropout", "k_char_gru_ls",
+                                   "k_moons_dropout_ls", "k_friedman_dropout_wd")
+
+HELD_OUT: tuple[str, ...] = FIRST_HELD_OUT + SECOND_HELD_OUT + THIRD_HELD_OUT
 
 
 def get_task(name: str) -> CoTask:
