@@ -140,7 +140,7 @@ KNOBS = [
          ("spread or span", "not both")),
     Case("span on additive", lambda: hpx.Knob("ls", base=0.1, kind="add", span=2.0), hpx.ConfigError,
          ("additive", "spread=")),
-    # a declared spread past a bound: the engine's replicas sit on both sides (hpx.Forks forks inside them)
+    # a declared spread past a bound: the engine's replicas sit on both sides (hpx.Forks leaves a side out)
     Case("additive spread past bounds", lambda: _engine(knobs=[hpx.LabelSmoothing(base=0.05, spread=0.2)]),
          hpx.ConfigError, ("[-0.15, 0.25]", "use a spread <= 0.05")),
     Case("dropout spread past 0", lambda: _engine(knobs=[hpx.Dropout(base=0.05, spread=0.1)]),

@@ -202,7 +202,7 @@ def test_tensors_in_a_decisions_info_reach_the_history_file_as_numbers(tmp_path)
 
 def test_a_spread_past_the_bounds_is_named_when_the_base_is_read_from_the_replica(caplog):
     """Refused by the engine when the knob is declared with its base (the knob itself is accepted:
-    hpx.Forks forks inside its bounds); with a base read from your model or optimizer (a
+    hpx.Forks leaves a side past a bound out); with a base read from your model or optimizer (a
     dropout rate of 0) the engine trains on, clamping, and says so (it did not)."""
     with caplog.at_level(logging.WARNING, logger="hpx"):
         hpx.Engine(_model(), _sgd(0.1), [hpx.LearningRate(span=10, bounds=(0.05, 1.0))], replicas=4)

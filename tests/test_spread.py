@@ -452,7 +452,7 @@ def test_package_exports():
     (dict(base=0.6, span=2.0, bounds=(0.0, 1.0)), "span [0.3, 1.2]"),
 ])
 def test_a_declared_spread_past_the_bounds_is_refused_by_the_engine(kw, needle):
-    """The knob is accepted as declared (hpx.Forks forks inside its bounds); the engine, whose
+    """The knob is accepted as declared (hpx.Forks leaves a side past a bound out); the engine, whose
     replicas sit on both sides of the base, refuses it naming the span, the bounds and the fix."""
     knob = Knob("p", **kw)
     with pytest.raises(ConfigError) as err:

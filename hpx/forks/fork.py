@@ -228,13 +228,8 @@ def knob_values(knob: Knob) -> list[float]:
     (``base / span`` and ``base * span`` for a geometric spread, ``base * (1 -+ spread)`` for a
     multiplicative one, ``base -+ spread`` for an additive one), by one rule for every bound:
 
-    * a side past the upper bound is left out, not moved onto it: an upper bound is where a knob
-      stops being usable (dropout 0.8 with a spread of 0.2 forks at 0.6 only, not at a chance-level
-      0.99);
-    * a side past the lower bound moves onto it when that still moves your value by half the
-      spread's move or more, else it is left out: a lower bound is a value the knob runs at (every
-      built-in knob's is 0, the knob off), the value a regularizer has to beat (dropout 0.1 with a
-      spread of 0.2 forks at 0 and 0.3; dropout 0.05 at 0.25 only);
+    * a side past a bound is left out, not moved onto the bound (dropout 0.8 with a spread of 0.2
+      forks at 0.6 only, not at a chance-level 0.99);
     * a side equal to your value is left out;
     * so from a value at a bound a knob explores inward only (dropout or label smoothing from 0
       with a spread of 0.2 forks at 0.2 only; dropout from 0.99 at 0.79 only);
@@ -254,8 +249,6 @@ def knob_values(knob: Knob) -> list[float]:
         raw = [b - w, b + w]
     out: list[float] = []
     for v in raw:
-        if v < knob.low < b and 2 * (b - knob.low) >= b - v:
-            v = knob.low  # onto the lower bound: at least half the move the spread asks
         inside = knob.low <= v <= knob.high and not (knob.kind == "mul" and v <= 0)
         if inside and v != b and v not in out:
             out.append(v)
