@@ -113,6 +113,8 @@ def _optuna(ct: CoTask, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
 # its defaults.
 METHODS: dict[str, Callable[..., Any]] = {
     "Forks": _forks({}),  # knob_design="split": the lower sides raced from the start, the upper joint at 70%
+    # two lower forks per knob from the start (one and two spreads down), the upper joint at 70%
+    "ladder": _forks({"knob_design": "ladder"}),
     # the defaults before issue 49: two forks per knob from the start, cut with the lr's forks
     "Forks-start": _forks({"knob_start": 0.0, "knob_design": "each"}),
     # knob forks branched from your run at a share of the run, each knob to each side or jointly

@@ -8,7 +8,9 @@ to the end uncut, where finished runs are compared: a fork that wins is a run th
 Less regularization is the other way round: it pays from the first steps, where a cut sees it, and
 a fork branched late has too little of the run left to show it. The default design, ``"split"``,
 follows both: the lower sides start with the lr's forks and are raced and cut with them (one fork
-per knob), the upper sides branch late as one joint fork.
+per knob), the upper sides branch late as one joint fork. ``"ladder"`` races two lower forks per
+knob instead, one and two spreads down (:func:`hpx.forks.fork.knob_rungs`), so a run can move a
+knob two spreads where less regularization pays.
 
 The end's test compares your run with the best of the challengers still running. With several of
 them the best is the luckiest as well as the best (a winner's curse on the probe that chose it),
@@ -22,11 +24,12 @@ import math
 from collections.abc import Sequence
 from statistics import NormalDist
 
+from hpx.forks.fork import knob_rungs
 from hpx.knobs.base import Knob
 
 __all__ = ["DESIGNS", "corrected", "knob_settings", "planned", "split_early"]
 
-DESIGNS = ("each", "joint", "split")
+DESIGNS = ("each", "joint", "split", "ladder")
 
 
 def knob_settings(knobs: Sequence[Knob], bases: dict[str, float], design: str,
@@ -37,12 +40,12 @@ def knob_settings(knobs: Sequence[Knob], bases: dict[str, float], design: str,
       sides inside its bounds, lower first when both are);
     * ``"joint"``: two forks in all, one moving every knob to its lower side, one to its upper side
       (a knob with no side there stays at your value), so a winner may move several knobs at once;
-    * ``"split"``: the joint upper fork alone (the lower sides start with the run:
-      :func:`split_early`).
+    * ``"split"`` and ``"ladder"``: the joint upper fork alone (the lower sides start with the
+      run: :func:`split_early`).
     """
     if design == "each":
         return [{**bases, k.name: v} for k in knobs for v in sides[k.name]]
-    if design == "split":  # the lower sides start with the lr's forks (split_early); the upper, joint, late
+    if design in ("split", "ladder"):  # the lower sides start with the lr's (split_early); the upper late
         return [v for v in knob_settings(knobs, bases, "joint", sides)
                 if any(v[k.name] > bases[k.name] for k in knobs)]
     out: list[dict[str, float]] = []
@@ -57,11 +60,14 @@ def knob_settings(knobs: Sequence[Knob], bases: dict[str, float], design: str,
     return out
 
 
-def split_early(knobs: Sequence[Knob], bases: dict[str, float],
-                sides: dict[str, list[float]]) -> list[dict[str, float]]:
+def split_early(knobs: Sequence[Knob], bases: dict[str, float], sides: dict[str, list[float]],
+                design: str = "split") -> list[dict[str, float]]:
     """``"split"``'s forks from the run's start, raced and cut with the lr's: one per knob with a
     lower side, that knob moved down (less regularization pays from the first steps, where a cut
-    sees it); the upper sides branch late, jointly (:func:`knob_settings`)."""
+    sees it); the upper sides branch late, jointly (:func:`knob_settings`). ``"ladder"``: that
+    knob moved down by one and by two spreads (:func:`hpx.forks.fork.knob_rungs`)."""
+    if design == "ladder":
+        return [{**bases, k.name: v} for k in knobs for v in knob_rungs(k)]
     return [{**bases, k.name: v} for k in knobs for v in sides[k.name] if v < bases[k.name]]
 
 
@@ -69,7 +75,7 @@ def planned(knobs: Sequence[Knob], bases: dict[str, float], design: str, start: 
             sides: dict[str, list[float]]) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
     """The knob forks of a run: ``(those that start with the lr's forks, those that branch from your
     run at knob_start=start)``; with ``start == 0`` every one starts with the lr's."""
-    early = split_early(knobs, bases, sides) if design == "split" else []
+    early = split_early(knobs, bases, sides, design) if design in ("split", "ladder") else []
     late = knob_settings(knobs, bases, design, sides)
     return (early + late, []) if start == 0 else (early, late)
 
