@@ -228,3 +228,79 @@ def test_knob_forks_branched_before_a_cut_are_kept_by_it_without_annealed_copies
     end = forks.history[-1]
     assert len(end.scores) == 4
     assert sorted(round(v, 3) for v in end.values["dropout"]) == [0.1, 0.2, 0.2, 0.3]
+
+
+# --- the ladder: two lower forks per knob -------------------------------------------------------
+
+
+@pytest.mark.parametrize(("knob", "rungs"), [
+    (hpx.Dropout(spread=0.2, base=0.5), [0.3, 0.1]),  # one and two spreads down
+    (hpx.Dropout(spread=0.2, base=0.3), [0.1, 0.0]),  # the second past the bound: onto it, dropout off
+    (hpx.Dropout(spread=0.2, base=0.1), [0.0]),  # both past it: onto it, one fork
+    (hpx.Dropout(spread=0.2, base=0.05), []),  # 0 would move it by less than half a spread
+    (hpx.Dropout(spread=0.2, base=0.0), []),  # at the bound: nothing below
+    (hpx.LabelSmoothing(spread=0.1, base=0.15), [0.05, 0.0]),
+    (hpx.WeightDecay(span=10, base=0.05), [0.005, 0.0005]),  # geometric: a decade, two decades
+    (hpx.WeightDecay(span=10, base=0.0), []),  # a multiplicative knob at 0: upward only (from_zero)
+    (hpx.WeightDecay(spread=0.5, base=0.4), [0.2, 0.1]),  # multiplicative: (1 - spread) ** r
+    (hpx.Knob("t", base=0.7, spread=0.2, kind="add", bounds=(0.5, 2.0)), [0.5]),  # a bound of your own
+])
+def test_knob_rungs_move_one_and_two_spreads_down_and_onto_the_lower_bound(knob, rungs):
+    from hpx.forks.fork import knob_rungs
+
+    assert knob_rungs(knob) == [pytest.approx(v) for v in rungs]
+
+
+def test_the_ladder_design_races_both_rungs_from_the_start_and_branches_the_upper_late():
+    """knob_design="ladder", dropout 0.3 with a spread of 0.1 on 30 steps: dropout 0.2 and 0.1 are
+    raced with the lr's forks from the start and scored at the first cut; 0.4 branches from your
+    run at knob_start; the winner's rate is written into your model."""
+    a = hpx.Dropout(spread=0.2, base=0.3)
+    assert split_early([a], {"dropout": 0.3}, {"dropout": [0.1, 0.5]}, "ladder") == [
+        {"dropout": pytest.approx(0.1)}, {"dropout": 0.0}]
+    assert knob_settings([a], {"dropout": 0.3}, "ladder", {"dropout": [0.1, 0.5]}) == [{"dropout": 0.5}]
+    model = _net(p=0.3)
+    opt, sched = _adamw_onecycle(model, 0.01)
+    torch.manual_seed(5)
+    forks = hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE, confidence=0,
+                      knobs=[hpx.Dropout(spread=0.1)], knob_start=0.5, knob_design="ladder")
+    assert [_dropouts(f.model) for f in forks._forks] == [[0.3]] * 5 + [[pytest.approx(0.2)],
+                                                                        [pytest.approx(0.1)]]
+    for b in BATCHES[:15]:
+        forks.step(_loss, b)
+    first = next(r for r in forks.history if r.phase == "cut")
+    assert len(first.scores) == 7 and [round(v, 3) for v in first.values["dropout"][-2:]] == [0.2, 0.1]
+    assert forks._forks[-1].late and _dropouts(forks._forks[-1].model) == [pytest.approx(0.4)]
+    for b in BATCHES[15:30]:
+        forks.step(_loss, b)
+    end = forks.history[-1]
+    won = min(zip(end.scores, end.values["dropout"]))[1]  # confidence=0: the best scorer wins
+    assert forks.values["dropout"] == pytest.approx(won) and _dropouts(model) == [pytest.approx(won)]
+
+
+def test_a_ladder_run_resumes_bit_for_bit_and_refuses_a_split_state():
+    def build(design="ladder"):
+        model = _net(p=0.3)
+        opt, sched = _adamw_onecycle(model, 0.01)
+        return model, hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE, cuts=((0.1, 4),),
+                                knobs=[hpx.Dropout(spread=0.1)], knob_start=0.4, knob_design=design)
+
+    torch.manual_seed(5)
+    model, forks = build()
+    for b in BATCHES[:20]:
+        forks.step(_loss, b)
+    assert len(forks._forks) == 5  # your run, two lr challengers, a rung, the upper fork (branched at 12)
+    buf = io.BytesIO()
+    torch.save({"forks": forks.state_dict(), "rng": torch.random.get_rng_state()}, buf)
+    for b in BATCHES[20:30]:
+        forks.step(_loss, b)
+    model2, forks2 = build()
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    with pytest.raises(hpx.ConfigError, match=r"knob_design='ladder' \(this run has 'split'\)"):
+        build("split")[1].load_state_dict(saved["forks"])
+    forks2.load_state_dict(saved["forks"])
+    torch.random.set_rng_state(saved["rng"])
+    for b in BATCHES[20:30]:
+        forks2.step(_loss, b)
+    assert _same(model, model2) and forks.bases == forks2.bases

@@ -113,6 +113,8 @@ def _optuna(ct: CoTask, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
 # its defaults.
 METHODS: dict[str, Callable[..., Any]] = {
     "Forks": _forks({}),  # knob_design="split": the lower sides raced from the start, the upper joint at 70%
+    # one lower fork per knob from the start, the upper joint at 70% (the split design, named)
+    "split": _forks({"knob_design": "split"}),
     # two lower forks per knob from the start (one and two spreads down), the upper joint at 70%
     "ladder": _forks({"knob_design": "ladder"}),
     # the defaults before issue 49: two forks per knob from the start, cut with the lr's forks

@@ -142,13 +142,12 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
             the run is plain training; fewer steps, a decision on shorter runs).
         cool: the share of the run over which each cut's annealed copies train before they are
             scored (``0``: score the forks as they are, at the cut).
-        confidence: ``z``: the challenger replaces your run only if it wins by ``z`` standard
-            errors (``0``: whichever scores better).
+        confidence: ``z``: a challenger replaces your run only by a lead of ``z`` standard errors (0: any).
         knobs: other knobs to fork, each declared with a spread (``hpx.Dropout(spread=0.2)``,
             ``hpx.WeightDecay(span=10)``, ``hpx.LabelSmoothing(spread=0.1)``): forks at your lr
-            with knobs moved by their spreads, down and up (``knob_design``; a side outside a
-            knob's bounds is left out; a multiplicative knob at 0 forks upward to its
-            ``from_zero``). A challenger changes the lr or the knobs, not both.
+            with knobs moved by their spreads, down and up (``knob_design``; a side outside a knob's
+            bounds is left out; a multiplicative knob at 0 forks upward to its ``from_zero``). A
+            challenger changes the lr or the knobs, not both.
         knob_start: the share of the run at which the late knob forks (the upper one under
             ``"split"``) branch from your run, each a copy of it then at its knob values, going to
             the end uncut (default 0.7; ``0``: every knob fork starts with the lr's and is cut with
@@ -156,8 +155,9 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
         knob_design: ``"split"`` (default): one fork per knob moved down by its spread, raced from
             the start with the lr's forks, and one with every knob moved up, branched at
             ``knob_start``; ``"joint"``: both branched there, every knob moved down in one, up in
-            the other; ``"each"``: two per knob there. The best of several challengers at the end
-            must clear ``confidence`` raised for their number (:func:`hpx.forks.late.corrected`).
+            the other; ``"each"``: two per knob there; ``"ladder"``: ``"split"`` with two lower forks
+            per knob, one and two spreads down (``knob_rungs``). The best of several challengers at
+            the end must clear ``confidence`` raised for their number (``hpx.forks.late``).
         backend: the :class:`~hpx.backends.Collective` (default: this process alone); with
             ``hpx.backends.TorchDistributed()`` each fork is data-parallel over the ranks.
         on_sync: a function (or a list of them) called with the :class:`~hpx.SyncRecord` of each
