@@ -260,10 +260,11 @@ HEAD = """## Co-exploration suite: the lr and other knobs, from a bad knob value
 Produced by `python -m benchmarks.knobs report` from the committed stores (`benchmarks/knobs/stored/`:
 the grid, `python -m benchmarks.knobs grid`; each method's runs, `python -m benchmarks.knobs eval
 --method M --store stored`, with `--held-out` for the held-out tasks; Optuna needs the `bench` extra).
-Twenty set-ups, each with one or two knobs besides the lr. Ten are the design tasks. Five were held
-out, committed with their grids before any search ran on the suite; their cell-by-cell reading has
-since informed a design, so they are read ("first held-out set (read)"). Five more were committed
-with their grids before any search ran on them ("second held-out set"). A method starts from the
+Twenty-five set-ups, each with one or two knobs besides the lr. Ten are the design tasks. Five were
+held out, committed with their grids before any search ran on the suite; their cell-by-cell reading
+has since informed a design, so they are read ("first held-out set (read)"). Two sets of five more
+were each committed with their grids before any search ran on them ("second held-out set", "third
+held-out set"); the defaults replaced before the third was made were not run on it. A method starts from the
 grid's best cell, and from every other cell at the best cell's lr whose plain run is at least 5%
 worse (a bad knob value). Values are the mean validation loss of 2 seeds; "late": a set-up where the
 better regularization should show only late (small data, long runs, a model that overfits)."""
