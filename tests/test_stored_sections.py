@@ -129,6 +129,17 @@ def test_the_knobs_suites_section_is_its_committed_stores_read():
     assert committed(knobs_suite.MARKER) == "\n" + knobs_suite.section(grid, stores)
 
 
+def test_every_co_exploration_task_is_in_one_set_and_the_held_out_sets_hold_five_each():
+    """The report's sets partition the suite: the design tasks and three held-out sets of five, none
+    sharing a task (a task moved between sets would change what "held out" means)."""
+    tasks = knobs_suite.TASKS
+    for name in tasks:
+        assert sum(knobs_suite.in_group(name, g) for g in knobs_suite.GROUPS) == 1, name
+    held = [knobs_suite.FIRST_HELD_OUT, knobs_suite.SECOND_HELD_OUT, knobs_suite.THIRD_HELD_OUT]
+    assert [len(h) for h in held] == [5, 5, 5] and len(set().union(*held)) == 15
+    assert set(knobs_suite.HELD_OUT) == set().union(*held) <= set(tasks)
+
+
 def test_the_readmes_co_exploration_figures_are_the_stores():
     """The README's co-exploration counts on the fresh held-out sets (the second and the third) are
     the knobs suite's committed runs."""

@@ -117,6 +117,8 @@ METHODS: dict[str, Callable[..., Any]] = {
     "split": _forks({"knob_design": "split"}),
     # two lower forks per knob from the start (one and two spreads down), the upper joint at 70%
     "ladder": _forks({"knob_design": "ladder"}),
+    # the end without its test (confidence 0: the best scorer wins): what the test holds back, and its harm
+    "Forks-z0": _forks({"confidence": 0.0}),
     # the defaults before issue 49: two forks per knob from the start, cut with the lr's forks
     "Forks-start": _forks({"knob_start": 0.0, "knob_design": "each"}),
     # knob forks branched from your run at a share of the run, each knob to each side or jointly
