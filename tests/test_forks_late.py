@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import hpx
-from hpx.forks.late import corrected, knob_settings, split_early
+from hpx.forks.late import corrected, knob_rungs, knob_settings, split_early
 from tests.test_forks import BATCHES, PROBE, _adamw_onecycle, _loss, _net, _plain, _same
 
 pytestmark = pytest.mark.quick
@@ -246,8 +246,6 @@ def test_knob_forks_branched_before_a_cut_are_kept_by_it_without_annealed_copies
     (hpx.Knob("t", base=0.7, spread=0.2, kind="add", bounds=(0.5, 2.0)), [0.5]),  # a bound of your own
 ])
 def test_knob_rungs_move_one_and_two_spreads_down_and_onto_the_lower_bound(knob, rungs):
-    from hpx.forks.fork import knob_rungs
-
     assert knob_rungs(knob) == [pytest.approx(v) for v in rungs]
 
 

@@ -255,33 +255,6 @@ def knob_values(knob: Knob) -> list[float]:
     return out
 
 
-def knob_rungs(knob: Knob, rungs: int = 2) -> list[float]:
-    """The lower forks of ``knob_design="ladder"``: your value moved down by 1, 2, ... ``rungs``
-    spreads (``base / span ** r`` for a geometric spread, ``base * (1 - spread) ** r`` for a
-    multiplicative one, ``base - r * spread`` for an additive one). A rung past the lower bound moves
-    onto it when that still moves your value by half a spread's move or more (a lower bound is a
-    value the knob runs at: every built-in knob's is 0, the knob off), else it is left out; rungs
-    that coincide are one fork (dropout 0.3 with a spread of 0.2: 0.1 and 0; dropout 0.1: 0 only;
-    dropout 0.05: none)."""
-    b, w, low = knob.base, knob.spread, knob.low
-    if knob.kind == "mul" and b == 0:
-        return []
-    out: list[float] = []
-    for r in range(1, rungs + 1):
-        if knob.spacing == "log":
-            v, step = b * math.exp(-r * w), b * (1 - math.exp(-w))
-        elif knob.kind == "mul":
-            v, step = b * (1 - w) ** r, b * w
-        else:
-            v, step = b - r * w, w
-        if v < low < b and 2 * (b - low) >= step:
-            v = low
-        inside = low <= v < b and v <= knob.high and not (knob.kind == "mul" and v <= 0)
-        if inside and v not in out:
-            out.append(v)
-    return out
-
-
 def knob_side_problems(knobs: Sequence[Knob]) -> list[str]:
     """Knobs with no value to fork at: a spread that puts both sides of your value outside its
     bounds, or a multiplicative knob at 0 without a ``from_zero`` (or with one outside its bounds)."""

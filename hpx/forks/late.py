@@ -9,7 +9,7 @@ Less regularization is the other way round: it pays from the first steps, where 
 a fork branched late has too little of the run left to show it. The default design, ``"split"``,
 follows both: the lower sides start with the lr's forks and are raced and cut with them (one fork
 per knob), the upper sides branch late as one joint fork. ``"ladder"`` races two lower forks per
-knob instead, one and two spreads down (:func:`hpx.forks.fork.knob_rungs`), so a run can move a
+knob instead, one and two spreads down (:func:`knob_rungs`), so a run can move a
 knob two spreads where less regularization pays.
 
 The end's test compares your run with the best of the challengers still running. With several of
@@ -24,10 +24,9 @@ import math
 from collections.abc import Sequence
 from statistics import NormalDist
 
-from hpx.forks.fork import knob_rungs
 from hpx.knobs.base import Knob
 
-__all__ = ["DESIGNS", "corrected", "knob_settings", "planned", "split_early"]
+__all__ = ["DESIGNS", "corrected", "knob_rungs", "knob_settings", "planned", "split_early"]
 
 DESIGNS = ("each", "joint", "split", "ladder")
 
@@ -60,12 +59,39 @@ def knob_settings(knobs: Sequence[Knob], bases: dict[str, float], design: str,
     return out
 
 
+def knob_rungs(knob: Knob, rungs: int = 2) -> list[float]:
+    """The lower forks of ``knob_design="ladder"``: your value moved down by 1, 2, ... ``rungs``
+    spreads (``base / span ** r`` for a geometric spread, ``base * (1 - spread) ** r`` for a
+    multiplicative one, ``base - r * spread`` for an additive one). A rung past the lower bound moves
+    onto it when that still moves your value by half a spread's move or more (a lower bound is a
+    value the knob runs at: every built-in knob's is 0, the knob off), else it is left out; rungs
+    that coincide are one fork (dropout 0.3 with a spread of 0.2: 0.1 and 0; dropout 0.1: 0 only;
+    dropout 0.05: none)."""
+    b, w, low = knob.base, knob.spread, knob.low
+    if knob.kind == "mul" and b == 0:
+        return []
+    out: list[float] = []
+    for r in range(1, rungs + 1):
+        if knob.spacing == "log":
+            v, step = b * math.exp(-r * w), b * (1 - math.exp(-w))
+        elif knob.kind == "mul":
+            v, step = b * (1 - w) ** r, b * w
+        else:
+            v, step = b - r * w, w
+        if v < low < b and 2 * (b - low) >= step:
+            v = low
+        inside = low <= v < b and v <= knob.high and not (knob.kind == "mul" and v <= 0)
+        if inside and v not in out:
+            out.append(v)
+    return out
+
+
 def split_early(knobs: Sequence[Knob], bases: dict[str, float], sides: dict[str, list[float]],
                 design: str = "split") -> list[dict[str, float]]:
     """``"split"``'s forks from the run's start, raced and cut with the lr's: one per knob with a
     lower side, that knob moved down (less regularization pays from the first steps, where a cut
     sees it); the upper sides branch late, jointly (:func:`knob_settings`). ``"ladder"``: that
-    knob moved down by one and by two spreads (:func:`hpx.forks.fork.knob_rungs`)."""
+    knob moved down by one and by two spreads (:func:`knob_rungs`)."""
     if design == "ladder":
         return [{**bases, k.name: v} for k in knobs for v in knob_rungs(k)]
     return [{**bases, k.name: v} for k in knobs for v in sides[k.name] if v < bases[k.name]]
