@@ -153,18 +153,14 @@ def test_several_finished_challengers_face_a_corrected_bar(monkeypatch):
     assert one.bases == {"lr": 3.0}
 
 
-def test_resume_after_the_branch_is_bit_for_bit():
-    def build():
-        model = _net()
-        opt, sched = _adamw_onecycle(model, 0.01)
-        return model, hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE,
-                                knobs=[hpx.Dropout(spread=0.1)], knob_start=0.4, knob_design="joint")
-
+def _resumed(build, forks_at_20: int, before_load=None) -> None:
+    """Train ``build()``'s run 20 of 30 steps (``forks_at_20`` forks then), save it, finish it; a fresh
+    ``build()`` loads the state (after ``before_load(saved_state)``) and finishes the same run bit for bit."""
     torch.manual_seed(5)
     model, forks = build()
     for b in BATCHES[:20]:
         forks.step(_loss, b)
-    assert len(forks._forks) == 4  # your run, the lr challenger, two dropout forks (branched at 12)
+    assert len(forks._forks) == forks_at_20
     buf = io.BytesIO()
     torch.save({"forks": forks.state_dict(), "rng": torch.random.get_rng_state()}, buf)
     for b in BATCHES[20:30]:
@@ -172,11 +168,23 @@ def test_resume_after_the_branch_is_bit_for_bit():
     model2, forks2 = build()
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
+    if before_load is not None:
+        before_load(saved["forks"])
     forks2.load_state_dict(saved["forks"])
     torch.random.set_rng_state(saved["rng"])
     for b in BATCHES[20:30]:
         forks2.step(_loss, b)
     assert _same(model, model2) and forks.bases == forks2.bases
+
+
+def test_resume_after_the_branch_is_bit_for_bit():
+    def build():
+        model = _net()
+        opt, sched = _adamw_onecycle(model, 0.01)
+        return model, hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE,
+                                knobs=[hpx.Dropout(spread=0.1)], knob_start=0.4, knob_design="joint")
+
+    _resumed(build, 4)  # your run, the lr challenger, two dropout forks (branched at 12)
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, "half"])
@@ -283,22 +291,8 @@ def test_a_ladder_run_resumes_bit_for_bit_and_refuses_a_split_state():
         return model, hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE, cuts=((0.1, 4),),
                                 knobs=[hpx.Dropout(spread=0.1)], knob_start=0.4, knob_design=design)
 
-    torch.manual_seed(5)
-    model, forks = build()
-    for b in BATCHES[:20]:
-        forks.step(_loss, b)
-    assert len(forks._forks) == 5  # your run, two lr challengers, a rung, the upper fork (branched at 12)
-    buf = io.BytesIO()
-    torch.save({"forks": forks.state_dict(), "rng": torch.random.get_rng_state()}, buf)
-    for b in BATCHES[20:30]:
-        forks.step(_loss, b)
-    model2, forks2 = build()
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    with pytest.raises(hpx.ConfigError, match=r"knob_design='ladder' \(this run has 'split'\)"):
-        build("split")[1].load_state_dict(saved["forks"])
-    forks2.load_state_dict(saved["forks"])
-    torch.random.set_rng_state(saved["rng"])
-    for b in BATCHES[20:30]:
-        forks2.step(_loss, b)
-    assert _same(model, model2) and forks.bases == forks2.bases
+    def refused_by_split(state):
+        with pytest.raises(hpx.ConfigError, match=r"knob_design='ladder' \(this run has 'split'\)"):
+            build("split")[1].load_state_dict(state)
+
+    _resumed(build, 5, refused_by_split)  # your run, two lr challengers, a rung, the upper fork (at 12)
