@@ -19,6 +19,7 @@ import torch
 
 import hpx
 from benchmarks import optuna_route
+from benchmarks.knobs.lanes import Lanes
 from benchmarks.knobs.tasks import CoTask, _Attention, get_task, set_knobs, train_loss
 
 __all__ = ["METHODS", "declared", "key", "run"]
@@ -42,7 +43,7 @@ def declared(ct: CoTask, start: dict[str, float]) -> list[hpx.Knob]:
     return out
 
 
-def _forks(options: dict[str, Any]) -> Callable[..., Any]:
+def _forks(options: dict[str, Any], cls: Any = None) -> Callable[..., Any]:
     def route(ct: CoTask, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any,
               batches: list[Any], start: dict[str, float],
               seed: int = 0) -> tuple[torch.nn.Module | None, dict[str, Any]]:
@@ -54,7 +55,7 @@ def _forks(options: dict[str, Any]) -> Callable[..., Any]:
             s = rep.value("label_smoothing") if smooth else 0.0
             return train_loss(task, rep.model, b, s)
 
-        forks = hpx.Forks(model, opt, total_steps=task.steps, schedule=sched, probe=task.probe(),
+        forks = (cls or hpx.Forks)(model, opt, total_steps=task.steps, schedule=sched, probe=task.probe(),
                           loss_fn=lambda rep, b: task.loss(rep.model, b), knobs=knobs, **options)
         try:
             for b in batches:
@@ -119,6 +120,9 @@ METHODS: dict[str, Callable[..., Any]] = {
     "ladder": _forks({"knob_design": "ladder"}),
     # the end without its test (confidence 0: the best scorer wins): what the test holds back, and its harm
     "Forks-z0": _forks({"confidence": 0.0}),
+    # each knob's lower fork in a lane of its own, judged against your run, with a second rung
+    # (benchmarks/knobs/lanes.py: a prototype)
+    "lanes": _forks({}, cls=Lanes),
     # the defaults before issue 49: two forks per knob from the start, cut with the lr's forks
     "Forks-start": _forks({"knob_start": 0.0, "knob_design": "each"}),
     # knob forks branched from your run at a share of the run, each knob to each side or jointly
