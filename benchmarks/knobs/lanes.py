@@ -13,6 +13,8 @@ place (the ladder's k_char_tf_temp). Lanes separate the two races:
 * a lane kept at the first cut gains a second rung, branched then from its fork with the knob one
   more spread down (:func:`hpx.forks.late.knob_rungs`); at every later cut a lane keeps one fork,
   its best;
+* ``lane_cuts=1`` (``--method lanes1``): lanes at the first cut only; at the cuts after it the
+  lanes' forks race the lr's for the places, as under ``"split"``;
 * the upper joint fork branches at 70% as under ``"split"``; the end is ``hpx.Forks``' (the best of
   the challengers left must clear ``confidence`` raised for their number).
 
@@ -35,8 +37,9 @@ __all__ = ["Lanes"]
 class Lanes(hpx.Forks):
     """``hpx.Forks`` with each knob's lower fork in a lane of its own (the module's docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, lane_cuts: int | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._lane_cuts = lane_cuts  # lanes at this many first cuts (None: all); then one race
         self._lane: dict[int, tuple[str, int]] = {}  # replica index -> (knob, rung)
         for f in self._forks[1:]:
             moved = [k.name for k in self.knobs if f.values[k.name] != self._bases[k.name]]
@@ -44,8 +47,12 @@ class Lanes(hpx.Forks):
                 self._lane[f.replica.index] = (moved[0], 1)
         self._cuts_made = 0
 
+    def _laned(self) -> bool:
+        """Whether the next cut is made in lanes."""
+        return self._lane_cuts is None or self._cuts_made < self._lane_cuts
+
     def _lanes_live(self) -> bool:
-        return any(f.replica.index in self._lane for f in self._forks)
+        return self._laned() and any(f.replica.index in self._lane for f in self._forks)
 
     def _advance(self) -> None:  # hpx.Forks._advance, with your run copied at a cut while a lane runs
         self._fresh = True
@@ -86,6 +93,8 @@ class Lanes(hpx.Forks):
         dist = [f.distance(self._bases) for f in self._forks]
         lane = {i: self._lane[f.replica.index][0] for i, f in enumerate(self._forks)
                 if f.replica.index in self._lane}
+        if not self._laned():  # one race, as hpx.Forks': the lanes' forks and the lr's for the same places
+            lane = {}
         lr = [i for i, f in enumerate(self._forks) if i > 0 and not f.late and i not in lane]
         ranked = _ranked([scores[i] for i in lr], [dist[i] for i in lr])
         order = [0, *[lr[j] for j in ranked if math.isfinite(scores[lr[j]])][: keep - 1]]

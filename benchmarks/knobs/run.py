@@ -123,6 +123,8 @@ METHODS: dict[str, Callable[..., Any]] = {
     # each knob's lower fork in a lane of its own, judged against your run, with a second rung
     # (benchmarks/knobs/lanes.py: a prototype)
     "lanes": _forks({}, cls=Lanes),
+    # ... lanes at the first cut only, then one race for the places, as under split
+    "lanes1": _forks({"lane_cuts": 1}, cls=Lanes),
     # the defaults before issue 49: two forks per knob from the start, cut with the lr's forks
     "Forks-start": _forks({"knob_start": 0.0, "knob_design": "each"}),
     # knob forks branched from your run at a share of the run, each knob to each side or jointly
