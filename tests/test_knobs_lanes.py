@@ -25,12 +25,12 @@ def _plain(rep, b):
     return F.mse_loss(rep.model(b[0]).squeeze(-1), b[1])
 
 
-def _run(weight_decay: float, second: hpx.Knob) -> Lanes:
+def _run(weight_decay: float, second: hpx.Knob, lane_cuts: int | None = None) -> Lanes:
     model = _net(p=0.6)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=weight_decay)
     torch.manual_seed(5)
     forks = Lanes(model, opt, total_steps=60, probe=PROBE, loss_fn=_plain,
-                  knobs=[hpx.WeightDecay(group=0, span=10), second])
+                  knobs=[hpx.WeightDecay(group=0, span=10), second], lane_cuts=lane_cuts)
     for b in BATCHES:
         forks.step(_shifted, b)
     forks.converge()
@@ -80,3 +80,22 @@ def test_lanes_keep_a_lower_fork_only_while_it_beats_your_run_and_deepen_it_once
         assert kept == [True, False]  # the weight decay's lane leads; the shift's is dropped at once
     else:
         assert all(kept)
+
+
+def test_lanes_at_the_first_cut_only_then_one_race_for_the_places():
+    """lane_cuts=1: the first cut as in lanes; at the second the lanes' forks and the lr's race for
+    the one place a run without knobs keeps there, so the end holds one raced challenger (and the
+    upper fork branched late)."""
+    forks = _run(30.0, hpx.Dropout(spread=0.2), lane_cuts=1)
+    first, second = [r for r in forks.history if r.phase == "cut"]
+    assert [r.values for r in (first, second)] == [r.values for r in _cuts(30.0)]  # the same forks
+    end = _settings(forks.history[-1])
+    raced = [s for s in end[1:] if s[0] != 1.0 or s[1] < end[0][1] or s[2] < end[0][2]]
+    assert len(raced) == 1
+    challengers = _settings(second)[1:]
+    best = min(range(len(challengers)), key=lambda i: second.scores[1:][i])
+    assert raced == [challengers[best]]  # the best of the lanes' forks and the lr's, alone
+
+
+def _cuts(weight_decay: float) -> list[hpx.SyncRecord]:
+    return [r for r in _run(weight_decay, hpx.Dropout(spread=0.2)).history if r.phase == "cut"]
