@@ -54,36 +54,10 @@ class Lanes(hpx.Forks):
     def _lanes_live(self) -> bool:
         return self._laned() and any(f.replica.index in self._lane for f in self._forks)
 
-    def _advance(self) -> None:  # hpx.Forks._advance, with your run copied at a cut while a lane runs
-        self._fresh = True
-        self.step_count += 1
-        s = self.step_count
-        if self._decide_at is not None and self._decide_at[0] <= s:
-            scored: list[Any] = [_LOST] * len(self._forks)
-            scored[0] = self._forks[0]
-            for i, c in zip(self._parents, self._clones):
-                scored[i] = _LOST if self._forks[i].lost else c
-            keep = self._decide_at[1]
-            self._clones, self._parents, self._decide_at = [], [], None
-            if keep == 1:
-                self._finish(scored)
-            else:
-                self._cut(keep, scored)
-        keep = self._plan.get(s)
-        if keep is not None and (keep < len(self._forks) or self._lanes_live()) and not self.decided:
-            k = min(max(1, round(self.cool * self.total_steps)), self.total_steps - s)
-            lanes = self._lanes_live()
-            n = 1 + max(f.replica.index for f in self._forks)
-            self._parents = [i for i, f in enumerate(self._forks)
-                             if (i > 0 or keep == 1 or lanes) and not f.lost and (keep == 1 or not f.late)]
-            memo = self._shared.memo()
-            self._clones = [self._forks[i].copied(n + j, ramp=(s, k), shared=memo, sharder=self._sharder)
-                            for j, i in enumerate(self._parents)]
-            self._decide_at = (s + k, keep)
-        if s == self._late_at and self._late and not self.decided and s < self.total_steps:
-            self._branch()
-        if s == self.total_steps and not self.decided:
-            self._finish()
+    def _cut_parents(self, keep: int) -> list[int]:  # your run copied too, at a cut made in lanes
+        if not self._lanes_live():
+            return super()._cut_parents(keep)
+        return [i for i, f in enumerate(self._forks) if not f.lost and (keep == 1 or not f.late)]
 
     def _cut(self, keep: int, scored: list[Any]) -> None:
         live = [c for c in scored if c is not _LOST]

@@ -49,6 +49,13 @@ class _Decisions:
 
     # --- the decisions ----------------------------------------------------------------------
 
+    def _cut_parents(self, keep: int) -> list[int]:
+        """The forks a cut to ``keep`` anneals a copy of: every challenger still trained but those
+        branched late (kept by every cut, uncut); your run only for the final decision (a cut to 2
+        or more keeps it whatever its score, so it needs no copy, and the peak holds one fewer)."""
+        return [i for i, f in enumerate(self._forks)
+                if (i > 0 or keep == 1) and not f.lost and (keep == 1 or not f.late)]
+
     def _cut(self, keep: int, scored: list[Any]) -> None:
         """Keep the ``keep`` forks whose ``scored`` stand-ins (themselves or annealed copies) score
         best on the probe (ties: the nearer to your run), your run always among them."""

@@ -542,10 +542,7 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
             k = min(max(1, round(self.cool * self.total_steps)), self.total_steps - s) if self.cool > 0 else 0
             if k > 0:  # anneal a copy of every challenger over the next k steps, then decide on them
                 n = 1 + max(f.replica.index for f in self._forks)  # indices no fork trained now has
-                # your run is kept by a cut to 2 or more whatever its score, so it needs no copy there
-                # (the peak holds one copy fewer); the final decision compares it with a challenger
-                self._parents = [i for i, f in enumerate(self._forks)  # late knob forks: kept, no copy
-                                 if (i > 0 or keep == 1) and not f.lost and (keep == 1 or not f.late)]
+                self._parents = self._cut_parents(keep)  # late knob forks, and your run at a cut to 2+: none
                 memo = self._shared.memo()
                 self._clones = [self._forks[i].copied(n + j, ramp=(s, k), shared=memo, sharder=self._sharder)
                                 for j, i in enumerate(self._parents)]
