@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from benchmarks.lr.tasks import Task
 from hpx.forks.fork import paired_gain as _gain
+from hpx.forks.late import corrected as _corrected
 
 __all__ = ["LOOPS", "mechanic", "paired_gain", "probe_at", "probe_loss", "range_test", "steps_taken"]
 
@@ -204,7 +205,7 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
             cuts: Sequence[tuple[float, int]] = ((0.10, 3), (0.25, 2), (0.50, 1)),
             protect: bool = False, cool: float = 0.0, confidence: float = 0.0,
             lost_start: bool = False, average: bool = True,
-            sided: bool = False, sign: float = 0.0, reserve: float = 0.0,
+            sided: bool = False, sign: float = 0.0, reserve: float = 0.0, corrected: bool = False,
             drop: float = 0.0, train: tuple[float, float] = (),
             split: bool = False, split_over: int = 1, ahead: bool = False,
             peaked: bool = False, guard: bool = False) -> tuple[torch.nn.Module, float]:
@@ -233,7 +234,9 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
     carry most of a cross-entropy's variance). With ``reserve`` ``r > 1`` the first cut also keeps
     the fork at ``1/r`` times the best-scoring fork's multiple (when there is one), and that fork
     goes on to the end whatever the later cuts read: early readings favour the faster lr, so the
-    slower fork that a finished run would prefer is the one an early cut drops. With ``drop`` ``z > 0``
+    slower fork that a finished run would prefer is the one an early cut drops. With ``corrected`` the
+    end's bar is raised for the challengers still alive there (Bonferroni: ``hpx.forks.late.corrected``),
+    as hpx.Forks raises it for several finished challengers. With ``drop`` ``z > 0``
     (and ``cool``, ``protect``) a cut that keeps 2 keeps the start alone when its annealed copy beats
     the challenger's by ``z`` standard errors, example by example: the rest of the run is plain
     training, and the end's test, which could only keep the start, is not paid for. With ``train``
@@ -333,7 +336,9 @@ def halving(task: Task, model: torch.nn.Module, opt: torch.optim.Optimizer, sche
                 confirmed = bool(train) and _gain(probe_ch, probe_st) >= train[0] and _gain(
                     _unit_losses(task, *ch, task.train_sample()),
                     _unit_losses(task, *st, task.train_sample())) >= train[1]
-                if not lost and not confirmed and not _passes(probe_ch, probe_st, confidence, sign):
+                rivals = sum(alive[i] for i in range(len(forks)) if i != own[0])
+                z = _corrected(confidence, rivals) if corrected else confidence
+                if not lost and not confirmed and not _passes(probe_ch, probe_st, z, sign):
                     order = [own[0]]
             early = drop > 0 and cool > 0 and protect and keep == 2 and len(order) == 2
             if early and own and own[0] in order:
@@ -606,6 +611,10 @@ LOOPS: dict[str, Callable[..., tuple[torch.nn.Module, float]]] = {
     "halving-end-cool-z2-lost-last-reserve": lambda *a: halving(
         *a, cuts=_TO_THE_END, protect=True, cool=0.05, confidence=2.0, lost_start=True, average=False,
         reserve=10.0),
+    # the same with the end's bar raised for the challengers left (Bonferroni, as hpx.Forks' knob forks)
+    "halving-end-cool-z2-lost-last-reserve-bonf": lambda *a: halving(
+        *a, cuts=_TO_THE_END, protect=True, cool=0.05, confidence=2.0, lost_start=True, average=False,
+        reserve=10.0, corrected=True),
     "halving-end-cool-z2-lost-last-train": lambda *a: halving(
         *a, cuts=_TO_THE_END, protect=True, cool=0.05, confidence=2.0, lost_start=True, average=False,
         train=(1.0, 3.0)),
