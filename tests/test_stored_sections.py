@@ -32,7 +32,19 @@ from benchmarks import (
 )
 from benchmarks.knobs import __main__ as knobs_suite
 from benchmarks.lr import __main__ as suite
-from benchmarks.lr import bar, carve, ceiling, coexplore, cost, noise, probesize, sidebyside, staged, warmup
+from benchmarks.lr import (
+    bar,
+    carve,
+    ceiling,
+    coexplore,
+    cost,
+    ninth,
+    noise,
+    probesize,
+    sidebyside,
+    staged,
+    warmup,
+)
 from benchmarks.lr import tasks as suite_tasks
 from benchmarks.lr.tasks import TASKS
 
@@ -43,7 +55,7 @@ COMMANDS = {suite.store_path("Forks"): "python -m benchmarks.lr eval --method Fo
             noise.PATH: "python -m benchmarks.lr.noise",
             **{p: ceiling.COMMAND for p in (ceiling.STORE, ceiling.CHUNKS, ceiling.HALVES)},
             probesize.STORE: probesize.COMMAND, carve.STORE: carve.COMMAND, warmup.STORE: warmup.COMMAND,
-            staged.STORE: staged.COMMAND, sidebyside.STORE: sidebyside.COMMAND,
+            staged.STORE: staged.COMMAND, ninth.STORE: ninth.COMMAND, sidebyside.STORE: sidebyside.COMMAND,
             sidebyside.GRID: sidebyside.COMMAND}
 
 
@@ -254,6 +266,28 @@ def test_the_eighth_held_out_section_is_its_committed_store_read():
     assert staged.STORE.exists(), f"{staged.STORE} is missing: run `{staged.COMMAND}`"
     body = staged.section(suite._load(suite.GRIDS), suite._load(staged.STORE))
     assert committed(staged.MARKER) == f"\n## {staged.TITLE}\n\n{body}"
+
+
+def test_the_ninth_held_out_section_is_its_committed_store_read():
+    """``python -m benchmarks.lr.ninth --report-only``: the section from the committed grid and the
+    store of hpx.Forks' and Optuna's runs on the ninth held-out set."""
+    assert ninth.STORE.exists(), f"{ninth.STORE} is missing: run `{ninth.COMMAND}`"
+    body = ninth.section(suite._load(suite.GRIDS), suite._load(ninth.STORE))
+    assert committed(ninth.MARKER) == f"\n## {ninth.TITLE}\n\n{body}"
+
+
+def test_the_readmes_warmup_figures_are_the_ninth_sets():
+    """The README's line on the ninth held-out set reads the section's figures, and the count over
+    both warm-up sets adds the eighth's."""
+    grids = suite._load(suite.GRIDS)
+    got = {m: ninth.counts(m, grids, suite._load(ninth.STORE)) for m in ninth.METHODS}
+    eighth = [r for r in staged.rows("Forks", list(staged.STAGED), grids, suite._load(staged.STORE))
+              if r["start"] == "10x"]
+    both = got["Forks"]["high"][0] + sum(r["vs_oracle"] <= 1.05 for r in eighth)
+    n = got["Forks"]["high"][1] + len(eighth)
+    readme = " ".join((DOC.parents[1] / "README.md").read_text().split())
+    assert (f"recovers from 10x too high in {got['Forks']['high'][0]} of {got['Forks']['high'][1]} cells "
+            f"(Optuna: {got['Optuna']['high'][0]}); over both warm-up sets, {both} of {n}") in readme
 
 
 def test_the_side_by_side_section_is_its_committed_stores_read():

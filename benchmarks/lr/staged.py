@@ -66,7 +66,7 @@ def rows(method: str, tasks: list[str], grids: dict[str, Any], store: dict[str, 
     return [{**r, "held_out": True} for r in table(method, tasks, grids, store)]
 
 
-def _repeats(task: str, grids: dict[str, Any]) -> None:
+def _repeats(task: str, grids: dict[str, Any], command: str = COMMAND) -> None:
     """Refuse, naming the fix, unless this machine ends ``task``'s best grid run (seed 0) where the
     committed grid does: a method run here is compared with those plain runs."""
     i, lrs, _ = best_of_grid(task, grids)
@@ -75,7 +75,7 @@ def _repeats(task: str, grids: dict[str, Any]) -> None:
     if stored != now:
         raise SystemExit(f"the committed grid does not repeat on this machine: {run.key} ended at validation "
                          f"loss {stored} there and {now} here (other floating-point kernels); its searches "
-                         f"cannot be compared with it: run `{COMMAND} --report-only` to rebuild the section")
+                         f"cannot be compared with it: run `{command} --report-only` to rebuild the section")
 
 
 def _within(part: list[dict[str, Any]], start: str, bar: float = 1.05) -> tuple[int, int]:

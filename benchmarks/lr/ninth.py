@@ -1,0 +1,115 @@
+"""The ninth held-out set: warm-ups with probes of 400 examples or more, hpx.Forks beside Optuna.
+
+    python -m benchmarks.lr.ninth [--jobs 2] [--report-only]
+
+The eighth held-out set (``python -m benchmarks.lr.staged``) became design data when a warm-up
+design was chosen from its reading (``docs/method.md``), so the warm-up row is read again here, on
+five fresh tasks committed with their grids before anything ran on them (``benchmarks.lr.tasks.NINTH``):
+a row transformer on digits and an LSTM LM under a 25% linear warm-up + cosine, a LayerNorm MLP on
+digits under SGD, a teacher regression under AdamW and a dropout MLP on Gaussian clusters under
+Adam with OneCycleLR. Every cell is held out. Two methods run from 0.1x, 1x and 10x each task's
+grid's best, 2 seeds, on the committed grid (``benchmarks/lr/grids.json``; the command checks that
+this machine repeats it before anything runs):
+
+* ``Forks``: ``hpx.Forks`` at its defaults;
+* ``Optuna``: the standard tool at the same budget of optimizer steps (TPE + successive halving over
+  separate trials, the start enqueued first: ``benchmarks/optuna_route.py``; ``pip install -e
+  ".[bench]"``).
+
+Both store into ``benchmarks/lr/stored/ninth.json`` (committed), and the section is written from it
+alone (``--report-only`` runs nothing), so a clone rebuilds it (``tests/test_stored_sections.py``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from benchmarks import _store
+from benchmarks.lr.__main__ import (
+    GRIDS,
+    SEEDS,
+    STORED,
+    _load,
+    _run_all,
+    cells,
+    grid_complete,
+    markdown,
+    study_args,
+    write_section,
+)
+from benchmarks.lr.run import Run
+from benchmarks.lr.staged import _at_or_below, _repeats, _within, rows
+from benchmarks.lr.tasks import NINTH
+
+__all__ = ["COMMAND", "MARKER", "METHODS", "STORE", "TITLE", "counts", "main", "section"]
+
+STORE = STORED / "ninth.json"
+COMMAND = "python -m benchmarks.lr.ninth"
+MARKER = "lr-ninth"
+TITLE = "The ninth held-out set: warm-ups with probes of 400 examples or more, hpx.Forks beside Optuna"
+METHODS = ("Forks", "Optuna")
+
+
+def counts(method: str, grids: dict[str, Any], store: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """``method``'s bar on the set: no harm from the grid's best (``harm``), within 1.05x of the grid's
+    best from 0.1x (``low``) and from 10x above (``high``), each as (cells, of)."""
+    found = rows(method, list(NINTH), grids, store)
+    at = [r for r in found if r["start"] == "1x"]
+    harm = sum(r["vs_plain"] <= 1.02 for r in at), len(at)
+    return {"harm": harm, "low": _within(found, "0.1x"), "high": _within(found, "10x")}
+
+
+def section(grids: dict[str, Any], store: dict[str, Any]) -> str:
+    """The section's body from the committed grid and the store."""
+    tasks = list(NINTH)
+    found = {m: rows(m, tasks, grids, store) for m in METHODS}
+    frac = lambda x: f"{x[0]} of {x[1]}"  # noqa: E731
+    lines = [f"Produced by `{COMMAND}` (which writes this section) from its store "
+             f"(`{_store.shown(STORE)}`) and the committed grid: {len(tasks)} tasks committed with their "
+             "grids before anything ran on them, every one held out; each method from 0.1x, 1x and 10x "
+             "the grid's best, 2 seeds. `Optuna` is TPE + successive halving over separate trials at "
+             "hpx.Forks' budget of optimizer steps, the start enqueued first "
+             "(`benchmarks/optuna_route.py`).", "",
+             "| method | no harm (<= 1.02 plain at the best) | from 0.1x: within 1.05x the best "
+             "| from 10x above: within 1.05x the best | at or below the other, cell by cell |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for m, other in zip(METHODS, reversed(METHODS)):
+        c = counts(m, grids, store)
+        lines.append(f"| {m} | {frac(c['harm'])} | {frac(c['low'])} | {frac(c['high'])} | "
+                     f"{frac(_at_or_below(found[m], found[other]))} |")
+    steps = {m: statistics.median(store[Run(t, m, lr, s).key]["steps"] for t in tasks
+                                  for lr in cells(t, grids).values() for s in SEEDS) for m in METHODS}
+    lines += ["", "Optimizer steps over plain training's, median of the runs: "
+              + ", ".join(f"{m} {steps[m]:.2f}x" for m in METHODS) + ".", ""]
+    for m in METHODS:
+        lines += [f"### {m}", "", markdown(m, found[m])]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = study_args(COMMAND, __doc__, "every task of the ninth held-out set", argv)
+    if a.tasks is not None:
+        raise SystemExit(f"{COMMAND} runs every task of the set (the section shows them all): drop --tasks")
+    tasks = list(NINTH)
+    grids, store = _load(GRIDS), _load(STORE)
+    lacking = [t for t in tasks if not grid_complete(t, grids)]
+    if lacking:
+        _store.refuse(GRIDS, f"python -m benchmarks.lr grid --tasks {' '.join(lacking)}",
+                      lacks=", ".join(lacking))
+    todo = [Run(t, m, lr, s) for m in METHODS for t in tasks for lr in cells(t, grids).values()
+            for s in SEEDS if Run(t, m, lr, s).key not in store]
+    if todo and a.report_only:
+        _store.refuse(STORE, COMMAND, lacks=", ".join(sorted({r.task for r in todo})),
+                      note="about 6 minutes on two cores")
+    if todo:
+        _repeats(tasks[0], grids, COMMAND)
+        _run_all(todo, store, STORE, a.jobs)
+    body = section(grids, store)
+    print(body)
+    write_section(MARKER, TITLE, body, after="lr-staged")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
