@@ -303,8 +303,8 @@ def test_the_readmes_side_by_side_figures_are_the_stores():
     needs(sidebyside.STORE, sidebyside.GRID)
     grids, store = suite._load(sidebyside.GRID), suite._load(sidebyside.STORE)
     rows = {m: suite.table(m, list(suite_tasks.HELD_OUT), grids, store) for m in sidebyside.METHODS}
-    at, n = sidebyside._at_or_below(rows["Forks"], rows["Optuna"])
-    off = {m: sum(sidebyside._within(rows[m], s)[0] for s in ("0.1x", "10x")) for m in sidebyside.METHODS}
+    at, n = staged._at_or_below(rows["Forks"], rows["Optuna"])
+    off = {m: sum(staged._within(rows[m], s)[0] for s in ("0.1x", "10x")) for m in sidebyside.METHODS}
     readme = " ".join((DOC.parents[1] / "README.md").read_text().split())
     assert (f"it ends at or below Optuna's loss in {at} of {n} cells; from 10x too low or too high Optuna "
             f"ends within 5% of the grid's best in {off['Optuna']} of {2 * len(suite_tasks.HELD_OUT)} cells, "

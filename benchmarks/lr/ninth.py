@@ -22,7 +22,6 @@ alone (``--report-only`` runs nothing), so a clone rebuilds it (``tests/test_sto
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 from benchmarks import _store
@@ -34,12 +33,11 @@ from benchmarks.lr.__main__ import (
     _run_all,
     cells,
     grid_complete,
-    markdown,
     study_args,
     write_section,
 )
 from benchmarks.lr.run import Run
-from benchmarks.lr.staged import _at_or_below, _repeats, _within, rows
+from benchmarks.lr.staged import _harmless, _repeats, _within, beside, rows
 from benchmarks.lr.tasks import NINTH
 
 __all__ = ["COMMAND", "MARKER", "METHODS", "STORE", "TITLE", "counts", "main", "section"]
@@ -55,35 +53,20 @@ def counts(method: str, grids: dict[str, Any], store: dict[str, Any]) -> dict[st
     """``method``'s bar on the set: no harm from the grid's best (``harm``), within 1.05x of the grid's
     best from 0.1x (``low``) and from 10x above (``high``), each as (cells, of)."""
     found = rows(method, list(NINTH), grids, store)
-    at = [r for r in found if r["start"] == "1x"]
-    harm = sum(r["vs_plain"] <= 1.02 for r in at), len(at)
-    return {"harm": harm, "low": _within(found, "0.1x"), "high": _within(found, "10x")}
+    return {"harm": _harmless(found), "low": _within(found, "0.1x"), "high": _within(found, "10x")}
 
 
 def section(grids: dict[str, Any], store: dict[str, Any]) -> str:
     """The section's body from the committed grid and the store."""
     tasks = list(NINTH)
     found = {m: rows(m, tasks, grids, store) for m in METHODS}
-    frac = lambda x: f"{x[0]} of {x[1]}"  # noqa: E731
     lines = [f"Produced by `{COMMAND}` (which writes this section) from its store "
              f"(`{_store.shown(STORE)}`) and the committed grid: {len(tasks)} tasks committed with their "
              "grids before anything ran on them, every one held out; each method from 0.1x, 1x and 10x "
              "the grid's best, 2 seeds. `Optuna` is TPE + successive halving over separate trials at "
              "hpx.Forks' budget of optimizer steps, the start enqueued first "
-             "(`benchmarks/optuna_route.py`).", "",
-             "| method | no harm (<= 1.02 plain at the best) | from 0.1x: within 1.05x the best "
-             "| from 10x above: within 1.05x the best | at or below the other, cell by cell |",
-             "| --- | ---: | ---: | ---: | ---: |"]
-    for m, other in zip(METHODS, reversed(METHODS)):
-        c = counts(m, grids, store)
-        lines.append(f"| {m} | {frac(c['harm'])} | {frac(c['low'])} | {frac(c['high'])} | "
-                     f"{frac(_at_or_below(found[m], found[other]))} |")
-    steps = {m: statistics.median(store[Run(t, m, lr, s).key]["steps"] for t in tasks
-                                  for lr in cells(t, grids).values() for s in SEEDS) for m in METHODS}
-    lines += ["", "Optimizer steps over plain training's, median of the runs: "
-              + ", ".join(f"{m} {steps[m]:.2f}x" for m in METHODS) + ".", ""]
-    for m in METHODS:
-        lines += [f"### {m}", "", markdown(m, found[m])]
+             "(`benchmarks/optuna_route.py`).", ""]
+    lines += beside(found, store, tasks, grids)
     return "\n".join(lines)
 
 

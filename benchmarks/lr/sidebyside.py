@@ -22,8 +22,6 @@ rebuilds it (``tests/test_stored_sections.py``). About 70 minutes on two cores f
 
 from __future__ import annotations
 
-import math
-import statistics
 from typing import Any
 
 from benchmarks import _store
@@ -35,14 +33,13 @@ from benchmarks.lr.__main__ import (
     best_of_grid,
     cells,
     grid_complete,
-    markdown,
     run_grid,
     study_args,
     table,
     write_section,
 )
 from benchmarks.lr.run import Run, execute
-from benchmarks.lr.staged import _at_or_below, _within
+from benchmarks.lr.staged import beside
 from benchmarks.lr.tasks import HELD_OUT
 
 __all__ = ["COMMAND", "GRID", "MARKER", "METHODS", "STORE", "TITLE", "main", "section"]
@@ -79,28 +76,14 @@ def section(grids: dict[str, Any], store: dict[str, Any]) -> str:
     """The section's body from the stored grid and runs."""
     tasks = list(HELD_OUT)
     found = {m: [{**r, "held_out": True} for r in table(m, tasks, grids, store)] for m in METHODS}
-    frac = lambda x: f"{x[0]} of {x[1]}"  # noqa: E731
     lines = [f"Produced by `{COMMAND}` (which writes this section) from its stores "
              f"(`{_store.shown(GRID)}`, this machine's own 2-seed grid of the {len(tasks)} held-out tasks, "
              f"and `{_store.shown(STORE)}`): "
              "each method from 0.1x, 1x and 10x the grid's best, 2 seeds, every run on the machine that made "
              "the grid. `Optuna` is TPE + successive halving over separate trials at hpx.Forks' budget of "
              "optimizer steps, the start enqueued first (`benchmarks/optuna_route.py`). The suite's section "
-             "above reads hpx.Forks against the committed grid, made on another machine.", "",
-             "| method | no harm (<= 1.02 plain at the best) | from 0.1x: within 1.05x the best "
-             "| from 10x above: within 1.05x the best | at or below the other, cell by cell |",
-             "| --- | ---: | ---: | ---: | ---: |"]
-    for m, other in zip(METHODS, reversed(METHODS)):
-        at = [r for r in found[m] if r["start"] == "1x"]
-        harm = sum(not math.isnan(r["vs_plain"]) and r["vs_plain"] <= 1.02 for r in at), len(at)
-        lines.append(f"| {m} | {frac(harm)} | {frac(_within(found[m], '0.1x'))} | "
-                     f"{frac(_within(found[m], '10x'))} | {frac(_at_or_below(found[m], found[other]))} |")
-    steps = {m: statistics.median(store[Run(t, m, lr, s).key]["steps"] for t in tasks
-                                  for lr in cells(t, grids).values() for s in SEEDS) for m in METHODS}
-    lines += ["", "Optimizer steps over plain training's, median of the runs: "
-              + ", ".join(f"{m} {steps[m]:.2f}x" for m in METHODS) + ".", ""]
-    for m in METHODS:
-        lines += [f"### {m}", "", markdown(m, found[m])]
+             "above reads hpx.Forks against the committed grid, made on another machine.", ""]
+    lines += beside(found, store, tasks, grids)
     return "\n".join(lines)
 
 

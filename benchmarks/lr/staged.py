@@ -89,6 +89,33 @@ def _at_or_below(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[int,
     return sum(ok), len(a)
 
 
+def beside(found: dict[str, list[dict[str, Any]]], store: dict[str, Any], tasks: list[str],
+           grids: dict[str, Any]) -> list[str]:
+    """The lines a section of two methods side by side ends with: their bar's counts, each against
+    the other cell by cell, their median steps, and each method's table (``found``: rows by method)."""
+    frac = lambda x: f"{x[0]} of {x[1]}"  # noqa: E731
+    methods = list(found)
+    lines = ["| method | no harm (<= 1.02 plain at the best) | from 0.1x: within 1.05x the best "
+             "| from 10x above: within 1.05x the best | at or below the other, cell by cell |",
+             "| --- | ---: | ---: | ---: | ---: |"]
+    for m, other in zip(methods, reversed(methods)):
+        lines.append(f"| {m} | {frac(_harmless(found[m]))} | {frac(_within(found[m], '0.1x'))} | "
+                     f"{frac(_within(found[m], '10x'))} | {frac(_at_or_below(found[m], found[other]))} |")
+    steps = {m: statistics.median(store[Run(t, m, lr, s).key]["steps"] for t in tasks
+                                  for lr in cells(t, grids).values() for s in SEEDS) for m in methods}
+    lines += ["", "Optimizer steps over plain training's, median of the runs: "
+              + ", ".join(f"{m} {steps[m]:.2f}x" for m in methods) + ".", ""]
+    for m in methods:
+        lines += [f"### {m}", "", markdown(m, found[m])]
+    return lines
+
+
+def _harmless(part: list[dict[str, Any]]) -> tuple[int, int]:
+    """Starts at the grid's best that end within 2% of plain training there, of those started."""
+    at = [r for r in part if r["start"] == "1x"]
+    return sum(not math.isnan(r["vs_plain"]) and r["vs_plain"] <= 1.02 for r in at), len(at)
+
+
 def section(grids: dict[str, Any], store: dict[str, Any]) -> str:
     """The section's body from the committed grid and the store."""
     tasks = list(STAGED)
