@@ -100,4 +100,6 @@ class Lanes(hpx.Forks):
             self._lane[g.replica.index] = (name, 2)
             deeper.append(g)
         self._forks = [self._forks[i] for i in order] + deeper
+        self._lane = {f.replica.index: self._lane[f.replica.index] for f in self._forks  # the cut ones go:
+                      if f.replica.index in self._lane}  # their indices may be given to later forks
         self._cuts_made += 1
