@@ -153,9 +153,10 @@ def test_several_finished_challengers_face_a_corrected_bar(monkeypatch):
     assert one.bases == {"lr": 3.0}
 
 
-def _resumed(build, forks_at_20: int, before_load=None) -> None:
+def _resumed(build, forks_at_20: int, before_load=None) -> bool:
     """Train ``build()``'s run 20 of 30 steps (``forks_at_20`` forks then), save it, finish it; a fresh
-    ``build()`` loads the state (after ``before_load(saved_state)``) and finishes the same run bit for bit."""
+    ``build()`` loads the state (after ``before_load(saved_state)``) and finishes it. Whether the two
+    ends are the same run bit for bit (weights and the values the run ends at)."""
     torch.manual_seed(5)
     model, forks = build()
     for b in BATCHES[:20]:
@@ -174,7 +175,7 @@ def _resumed(build, forks_at_20: int, before_load=None) -> None:
     torch.random.set_rng_state(saved["rng"])
     for b in BATCHES[20:30]:
         forks2.step(_loss, b)
-    assert _same(model, model2) and forks.bases == forks2.bases
+    return _same(model, model2) and forks.bases == forks2.bases
 
 
 def test_resume_after_the_branch_is_bit_for_bit():
@@ -184,7 +185,7 @@ def test_resume_after_the_branch_is_bit_for_bit():
         return model, hpx.Forks(model, opt, total_steps=30, schedule=sched, probe=PROBE,
                                 knobs=[hpx.Dropout(spread=0.1)], knob_start=0.4, knob_design="joint")
 
-    _resumed(build, 4)  # your run, the lr challenger, two dropout forks (branched at 12)
+    assert _resumed(build, 4)  # your run, the lr challenger, two dropout forks (branched at 12)
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.1, "half"])
@@ -295,4 +296,5 @@ def test_a_ladder_run_resumes_bit_for_bit_and_refuses_a_split_state():
         with pytest.raises(hpx.ConfigError, match=r"knob_design='ladder' \(this run has 'split'\)"):
             build("split")[1].load_state_dict(state)
 
-    _resumed(build, 5, refused_by_split)  # your run, two lr challengers, a rung, the upper fork (at 12)
+    # your run, two lr challengers, a rung, the upper fork (at 12)
+    assert _resumed(build, 5, refused_by_split)
