@@ -26,18 +26,9 @@ from typing import Any
 
 from benchmarks import _store
 from benchmarks.lr.__main__ import (
-    GRIDS,
-    SEEDS,
     STORED,
-    _load,
-    _run_all,
-    cells,
-    grid_complete,
-    study_args,
-    write_section,
 )
-from benchmarks.lr.run import Run
-from benchmarks.lr.staged import _harmless, _repeats, _within, beside, rows
+from benchmarks.lr.staged import _harmless, _within, beside, rows, study_set
 from benchmarks.lr.tasks import NINTH
 
 __all__ = ["COMMAND", "MARKER", "METHODS", "STORE", "TITLE", "counts", "main", "section"]
@@ -71,27 +62,8 @@ def section(grids: dict[str, Any], store: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = study_args(COMMAND, __doc__, "every task of the ninth held-out set", argv)
-    if a.tasks is not None:
-        raise SystemExit(f"{COMMAND} runs every task of the set (the section shows them all): drop --tasks")
-    tasks = list(NINTH)
-    grids, store = _load(GRIDS), _load(STORE)
-    lacking = [t for t in tasks if not grid_complete(t, grids)]
-    if lacking:
-        _store.refuse(GRIDS, f"python -m benchmarks.lr grid --tasks {' '.join(lacking)}",
-                      lacks=", ".join(lacking))
-    todo = [Run(t, m, lr, s) for m in METHODS for t in tasks for lr in cells(t, grids).values()
-            for s in SEEDS if Run(t, m, lr, s).key not in store]
-    if todo and a.report_only:
-        _store.refuse(STORE, COMMAND, lacks=", ".join(sorted({r.task for r in todo})),
-                      note="about 6 minutes on two cores")
-    if todo:
-        _repeats(tasks[0], grids, COMMAND)
-        _run_all(todo, store, STORE, a.jobs)
-    body = section(grids, store)
-    print(body)
-    write_section(MARKER, TITLE, body, after="lr-staged")
-    return 0
+    return study_set(argv, __doc__, COMMAND, "every task of the ninth held-out set", list(NINTH), STORE,
+                     section, MARKER, TITLE, "lr-staged", 6)
 
 
 if __name__ == "__main__":

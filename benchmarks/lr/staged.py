@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from benchmarks import _store
@@ -153,12 +155,17 @@ def section(grids: dict[str, Any], store: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    a = study_args(COMMAND, __doc__, "every task of the eighth held-out set", argv)
+def study_set(argv: list[str] | None, doc: str, command: str, label: str, tasks: list[str], path: Path,
+              section_of: Callable[[dict[str, Any], dict[str, Any]], str], marker: str, title: str,
+              after: str, minutes: int) -> int:
+    """A held-out set's command: every task of the set (``label`` names it in the help), hpx.Forks
+    and Optuna from each start, into the store at ``path`` (a run refused where this machine does
+    not repeat the committed grid), then the section (``section_of(grids, store)``) written after
+    the one marked ``after``; ``--report-only`` writes it from the store alone."""
+    a = study_args(command, doc, label, argv)
     if a.tasks is not None:
-        raise SystemExit(f"{COMMAND} runs every task of the set (the section shows them all): drop --tasks")
-    tasks = list(STAGED)
-    grids, store = _load(GRIDS), _load(STORE)
+        raise SystemExit(f"{command} runs every task of the set (the section shows them all): drop --tasks")
+    grids, store = _load(GRIDS), _load(path)
     lacking = [t for t in tasks if not grid_complete(t, grids)]
     if lacking:
         _store.refuse(GRIDS, f"python -m benchmarks.lr grid --tasks {' '.join(lacking)}",
@@ -166,14 +173,19 @@ def main(argv: list[str] | None = None) -> int:
     todo = [r for r in _runs(tasks, grids) if r.key not in store]
     if todo and a.report_only:
         missing = sorted({r.task for r in todo})
-        _store.refuse(STORE, COMMAND, lacks=", ".join(missing), note="about 8 minutes on two cores")
+        _store.refuse(path, command, lacks=", ".join(missing), note=f"about {minutes} minutes on two cores")
     if todo:
-        _repeats(tasks[0], grids)
-        _run_all(todo, store, STORE, a.jobs)
-    body = section(grids, store)
+        _repeats(tasks[0], grids, command)
+        _run_all(todo, store, path, a.jobs)
+    body = section_of(grids, store)
     print(body)
-    write_section(MARKER, TITLE, body, after="lr-warmup")
+    write_section(marker, title, body, after=after)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return study_set(argv, __doc__, COMMAND, "every task of the eighth held-out set", list(STAGED), STORE,
+                     section, MARKER, TITLE, "lr-warmup", 8)
 
 
 if __name__ == "__main__":
