@@ -19,6 +19,7 @@ from torch import nn
 import hpx
 from hpx.backends import TorchDistributed
 from hpx.forks.fork import paired_gain
+from hpx.forks.late import corrected
 from tests._dist import run_distributed
 
 STEPS = 30
@@ -258,6 +259,46 @@ def test_the_confidence_test_keeps_your_run_when_the_probe_cannot_tell(caplog):
     torch.manual_seed(3)
     _plain(ref, torch.optim.SGD(ref.parameters(), lr=0.03, momentum=0.9), None, BATCHES[:40])
     assert forks.factor == 1.0 and _same(model, ref)
+
+
+def _two_challengers(confidence: float) -> hpx.Forks:
+    model = _net()
+    torch.manual_seed(3)
+    forks = hpx.Forks(model, torch.optim.SGD(model.parameters(), lr=0.03, momentum=0.9), total_steps=40,
+                      probe=PROBE, multiples=(0.1, 0.3, 1.0), cuts=(), confidence=confidence)
+    for b in BATCHES[:40]:
+        forks.step(_loss, b)
+    return forks
+
+
+def test_the_bar_raised_for_two_challengers_is_recorded_and_named_when_it_keeps_your_run(caplog):
+    """With two challengers at the end the bar is ``corrected(confidence, 2)``: a lead between
+    ``confidence`` and that bar keeps your run, and the record and the log line give the bar it
+    fell short of, with the probe size that would tell (from the bar, not from ``confidence``)."""
+    gain = _two_challengers(1e9).history[-1].metrics["gain"]  # the same run at any confidence
+    assert gain > 0.2
+    confidence = gain - 0.1
+    bar = corrected(confidence, 2)
+    assert confidence < gain < bar
+    with caplog.at_level(logging.INFO, logger="hpx"):
+        forks = _two_challengers(confidence)
+    end = forks.history[-1]
+    assert end.metrics == {"gain": gain, "bar": bar}
+    assert forks.factor == 1.0  # kept: the lead cleared confidence, not the raised bar
+    said = [r.getMessage() for r in caplog.records if "(end)" in r.getMessage()]
+    assert len(said) == 1
+    assert f"short of the bar of {bar:.2f}: a probe about {(bar / gain) ** 2:.3g}x as large" in said[0]
+
+
+def test_a_lead_that_clears_the_raised_bar_wins_and_says_nothing_of_the_probe(caplog):
+    gain = _two_challengers(1e9).history[-1].metrics["gain"]
+    confidence = 0.5 * gain
+    assert corrected(confidence, 2) < gain
+    with caplog.at_level(logging.INFO, logger="hpx"):
+        forks = _two_challengers(confidence)
+    assert forks.history[-1].metrics == {"gain": gain, "bar": corrected(confidence, 2)}
+    assert forks.factor != 1.0
+    assert not any("as large" in r.getMessage() for r in caplog.records)
 
 
 def test_a_lost_run_gives_way_without_the_test():

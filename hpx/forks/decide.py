@@ -94,17 +94,18 @@ class _Decisions:
         if stand[0] is self._forks[0] and not self._forks[0].lost:  # a copy's blow-up is no probe error
             self._check_probe_loss(scores[0])
         best = _ranked(scores, [f.distance(self._bases) for f in self._forks])[0]
-        gain = math.nan
+        gain = bar = math.nan
         if best != 0 and math.isfinite(scores[0]):
             initial = self._initial if self._initial is not None else math.nan
             lost = scores[0] >= initial > scores[best]  # False when the initial score is unknown
             if not lost and self.confidence > 0:
                 gain = self._gain(stand[best], stand[0], (held.get(id(stand[best])), held.get(id(stand[0]))))
                 rivals = sum(math.isfinite(x) for x in scores[1:])  # the best of several: a higher bar
-                if gain < corrected(self.confidence, rivals):
+                bar = corrected(self.confidence, rivals)
+                if gain < bar:
                     best = 0
         best = self._agreed(best)
-        rec = self._record("end", scores, [best], gain)
+        rec = self._record("end", scores, [best], gain, bar)
         self._adopt(best)
         self._notify(rec)
 

@@ -181,7 +181,9 @@ class Forks(_Decisions, _Scoring, _Faults, _State, _Guards):
     Attributes:
         history: a :class:`~hpx.SyncRecord` per decision (``phase`` ``"cut"`` or ``"end"``;
             ``values["lr"]`` the multiples scored, ``scores`` their probe losses (your run's ``nan``
-            at a cut, which keeps it unscored), ``bases["lr"]`` the multiple the run trains at after it).
+            at a cut, which keeps it unscored), ``bases["lr"]`` the multiple the run trains at after it;
+            at the end ``metrics["gain"]`` and ``metrics["bar"]``, the best challenger's lead in
+            standard errors and what it had to clear, when the test ran).
         factor: the lr multiple your run trains at: 1 until the end, then the winner's (``m``).
         values: the other knobs' values your run trains at (``{name: value}``), the winner's after
             the end.

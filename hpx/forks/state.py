@@ -42,7 +42,9 @@ class _State(_Checkpointed):
         return unsaveable(self)
 
     def _record(self, phase: str, scores: list[float], kept: list[int],
-                gain: float = math.nan) -> SyncRecord:
+                gain: float = math.nan, bar: float = math.nan) -> SyncRecord:
+        """The decision's record, logged; ``gain`` and ``bar``: the end's test (the best challenger's
+        lead in standard errors, and what it had to clear, raised for the number of challengers)."""
         factors = [f.factor for f in self._forks]
         lrs = [[g["lr"] * f.factor for g in f.optimizer.param_groups] for f in self._forks]
         bases = self._forks[kept[0]].setting() if phase == "end" else {"lr": 1.0, **self._bases}
@@ -51,14 +53,14 @@ class _State(_Checkpointed):
                          values=values, scores=[s if math.isfinite(s) else math.nan for s in scores],
                          phase=phase, searched=True, wall=time.perf_counter() - self._t0,
                          lr=[next((v for v in row if v), row[0]) for row in lrs], lr_factor="lr",
-                         metrics=None if math.isnan(gain) else {"gain": gain})
+                         metrics=None if math.isnan(gain) else {"gain": gain, "bar": bar})
         self.history.append(rec)
         kept_m = ", ".join(_fork_label(self._forks[i].setting(), self._bases) for i in kept)
         why = "" if math.isnan(gain) else (f" (the challenger's gain: {gain:.2f} standard errors over "
                                            f"{self._probe_units} probe examples)")
-        if 0 < gain < self.confidence:  # the test kept your run: how much more probe would have told
-            why += (f"; a probe about {(self.confidence / gain) ** 2:.3g}x as large would tell a difference "
-                    "this size")
+        if 0 < gain < bar < math.inf:  # the test kept your run: how much more probe would have told
+            why += (f"; short of the bar of {bar:.2f}: a probe about {(bar / gain) ** 2:.3g}x as large "
+                    "would tell a difference this size")
         names = [_fork_label(f.setting(), self._bases) for f in self._forks]
         if self.collective.rank == 0:  # one line per decision, not one per rank
             log.info("forks at step %d (%s): %s scored %s; kept %s%s", self.step_count, phase, names,
