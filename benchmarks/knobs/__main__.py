@@ -3,6 +3,7 @@
     python -m benchmarks.knobs grid [--jobs 2]           # plain runs on every task's grid
     python -m benchmarks.knobs eval --method Forks       # the method from each task's starts
     python -m benchmarks.knobs report --method Forks     # its table into docs/benchmarks.md
+    python -m benchmarks.knobs limits                    # the end's bar swept, a perfect search's reach
 
 Each task (``benchmarks/knobs/tasks.py``) has a grid of plain runs: five peak lrs half a decade
 apart times four values of one knob, or times three values of each of two knobs, 2 seeds per cell
@@ -342,9 +343,17 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--jobs", type=int, default=2)
     e.add_argument("--store", choices=("stored", "runs"), default="runs")
     sub.add_parser("report")
+    sub.add_parser("limits", help="the end's bar swept and a perfect search's reach, from the stores "
+                   "(benchmarks/knobs/limits.py)")
     a = p.parse_args(argv)
     if a.cmd == "report":
         report()
+        return 0
+    if a.cmd == "limits":
+        from benchmarks.knobs.limits import tables
+
+        stores = {m: _load(STORED / f"{m}.json") for m in ("Forks", "Forks-z0", "finished-each", "Optuna")}
+        print("\n".join(tables(_load(GRID), stores)))
         return 0
     if a.cmd == "grid":
         grid = make_grid(a.tasks, a.jobs)

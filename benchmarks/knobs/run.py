@@ -125,6 +125,9 @@ METHODS: dict[str, Callable[..., Any]] = {
     "lanes": _forks({}, cls=Lanes),
     # ... lanes at the first cut only, then one race for the places, as under split
     "lanes1": _forks({"lane_cuts": 1}, cls=Lanes),
+    # the evidence a one-spread search can buy: a fork per knob and side from the run's first step to its
+    # end, uncut (branched at step 1), beside the lr's race; the end's test as the default's
+    "finished-each": _forks({"knob_start": 1e-3, "knob_design": "each"}),
     # the defaults before issue 49: two forks per knob from the start, cut with the lr's forks
     "Forks-start": _forks({"knob_start": 0.0, "knob_design": "each"}),
     # knob forks branched from your run at a share of the run, each knob to each side or jointly
