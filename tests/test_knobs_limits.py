@@ -32,6 +32,16 @@ def test_swept_reads_the_default_or_the_untested_end_by_the_corrected_bar(gain, 
     assert swept(_end(gain, scores, 0.1), _end(gain, scores, 0.2), confidence) == expected
 
 
+@pytest.mark.parametrize("factors, expected", [([1.0, 1.0, 10.0], 0.2), ([1.0, 10.0, 1.0], 0.1)])
+def test_a_knobs_only_bar_lowers_it_for_a_knob_fork_and_keeps_the_default_for_an_lr_fork(factors, expected):
+    scores = [1.0, 0.9, 0.95]  # the best challenger is the first: a knob fork at your lr, or the lr's at 10x
+    default, without = _end(1.5, scores, 0.1), _end(1.5, scores, 0.2)
+    for run in (default, without):
+        run["end"]["values"] = {"lr": factors}
+    assert swept(default, without, 0.5, knobs_only=True) == expected
+    assert swept(default, without, 0.5) == 0.2
+
+
 def test_swept_refuses_two_runs_that_reached_different_ends():
     with pytest.raises(ValueError, match="different ends"):
         swept(_end(1.0, [1.0, 0.9], 0.1), _end(1.0, [1.0, 0.8], 0.2), 0.0)
@@ -98,7 +108,7 @@ def test_the_tables_rows_agree_with_the_reported_counts():
     assert f"| third | Forks | {third['better']} of {n} | {third['near']} of {n} |" in text
     read = [n for n in suite.TASKS if suite.in_group(n, "design") or suite.in_group(n, "first")]
     best = sum(suite.counts("Forks", stores["Forks"], grid, g)["best"] for g in ("design", "first"))
-    assert f"| 2 (the default) | {best} of {len(read)} |" in text
+    assert f"| 2 (the default) | every challenger | {best} of {len(read)} |" in text
 
 
 def test_short_leads_counts_the_runs_kept_with_a_leading_challenger():
