@@ -124,3 +124,15 @@ def test_short_leads_counts_the_runs_kept_with_a_leading_challenger():
         store[key("M", TASK, (lr, wd), s)] = {"lr_factor": factor, "values": {"weight_decay": end},
                                                "end": {"gain": gain}}
     assert short_leads(store, "M", grid, [TASK]) == {"runs": 4, "kept": 3, "short": 2, "median": 1.0}
+
+
+def test_the_readmes_figures_of_what_holds_the_row_are_the_stores():
+    """The README's sentence on the probe's limit is ``short_leads`` of the committed finished-each runs."""
+    grid = suite._load(suite.GRID)
+    store = suite._load(suite.STORED / "finished-each.json")
+    read = [n for n in suite.TASKS if suite.in_group(n, "design") or suite.in_group(n, "first")]
+    r = short_leads(store, "finished-each", grid, read)
+    text = " ".join((suite.ROOT / "README.md").read_text().split())
+    assert f"{r['kept']} of {r['runs']} runs from a bad knob value still kept it" in text
+    assert f"in {r['short']} of those a fork one spread away led on the probe by a median of " \
+           f"{r['median']:.1f} standard errors" in text
