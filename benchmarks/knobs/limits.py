@@ -68,16 +68,14 @@ def grid_steps(ct: CoTask, cell: tuple[float, ...]) -> list[int]:
     return [sorted(values).index(v) for (_, values), v in zip(ct.axes, cell[1:])]
 
 
-def _mean(store: dict[str, Any], method: str, name: str, cell: tuple[float, ...], seeds: tuple[int, ...],
-          confidence: float | None = None, without: dict[str, Any] | None = None,
-          knobs_only: bool = False) -> float:
+def _swept_mean(default: dict[str, Any], without: dict[str, Any], name: str, cell: tuple[float, ...],
+                seeds: tuple[int, ...], confidence: float, knobs_only: bool) -> float:
+    """The seeds' mean of :func:`swept` at one start (``nan`` when a run is missing or diverged)."""
     vals = []
     for s in seeds:
-        run = store.get(key(method, name, cell, s))
-        if run is None:
-            return math.nan
-        v = run["val"] if confidence is None else swept(run, without[key("Forks-z0", name, cell, s)],
-                                                         confidence, knobs_only)
+        run = default.get(key("Forks", name, cell, s))
+        other = without.get(key("Forks-z0", name, cell, s))
+        v = None if run is None or other is None else swept(run, other, confidence, knobs_only)
         vals.append(math.nan if v is None else v)
     return statistics.fmean(vals)
 
@@ -95,7 +93,7 @@ def swept_counts(default: dict[str, Any], without: dict[str, Any], grid: dict[st
         top, _ = best_cell(ct, grid)
         for kind, cell in starts(ct, grid):
             plain = mean_val(grid, "plain", name, cell)
-            got = _mean(default, "Forks", name, cell, SEEDS, confidence, without, knobs_only)
+            got = _swept_mean(default, without, name, cell, SEEDS, confidence, knobs_only)
             if kind == "best":
                 out["best"] += got <= 1.02 * plain
                 out["best_n"] += 1
