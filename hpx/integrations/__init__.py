@@ -65,14 +65,15 @@ def _forks_settings(settings: dict[str, Any], log: Any) -> dict[str, Any]:
 
 def _fork_metrics(record: Any) -> dict[str, float]:
     """What an integration logs for a decision of :class:`hpx.Forks`: the multiple (and knob
-    values) your run trains at after it, every fork's probe loss by name, the end's gain."""
+    values) your run trains at after it, every fork's probe loss by name, the end's gain and bar."""
     from hpx.history import _fork_labels
 
     metrics = {f"hpx/{k}_multiple" if k == "lr" else f"hpx/{k}": float(v) for k, v in record.bases.items()}
     for name, score in zip(_fork_labels(record), record.scores):
         metrics[f"hpx/probe_loss/{name}"] = float(score)
-    if record.metrics and "gain" in record.metrics:
-        metrics["hpx/gain"] = float(record.metrics["gain"])
+    for name in ("gain", "bar"):  # the end's test: the challenger's lead, and what it had to clear
+        if record.metrics and name in record.metrics:
+            metrics[f"hpx/{name}"] = float(record.metrics[name])
     return metrics
 
 

@@ -256,7 +256,7 @@ class ForksCallback(pl.Callback):
     (``strategy="ddp"`` or ``"ddp_spawn"``) each fork's gradients are averaged over the processes
     by hpx. Each decision is logged through the trainer's loggers and into
     ``trainer.callback_metrics`` (``hpx/lr_multiple``: the multiple your run trains at after it;
-    ``hpx/probe_loss/<fork>``; ``hpx/gain`` at the end). hpx's state is saved in Lightning's
+    ``hpx/probe_loss/<fork>``; ``hpx/gain`` and ``hpx/bar`` at the end). hpx's state is saved in Lightning's
     checkpoints, without a second copy of your module (Lightning saves it), so
     ``trainer.fit(..., ckpt_path=...)`` continues the search; Lightning writes rank 0's state,
     which every process resumes from (the forks' buffers, such as BatchNorm's statistics,

@@ -62,6 +62,7 @@ def test_a_confident_winner_is_plain_lightning_at_its_multiple_bit_for_bit(tmp_p
     logged = [r for r in rows if r.get("hpx/lr_multiple")]
     assert [int(r["step"]) for r in logged] == [r.step for r in f.history]
     assert float(logged[-1]["hpx/lr_multiple"]) == 16.0 and float(logged[-1]["hpx/gain"]) > 2
+    assert float(logged[-1]["hpx/bar"]) == pytest.approx(f.history[-1].metrics["bar"])  # what it cleared
     assert float(logged[0]["hpx/probe_loss/16x"]) == pytest.approx(f.history[0].scores[-1])
     assert float(trainer.callback_metrics["hpx/lr_multiple"]) == 16.0
 

@@ -58,6 +58,7 @@ def test_a_confident_winner_is_the_plain_trainer_at_its_multiple_bit_for_bit(tmp
     logged = [h for h in t.state.log_history if "hpx/lr_multiple" in h]
     assert [h["step"] for h in logged] == [r.step for r in f.history]
     assert logged[-1]["hpx/lr_multiple"] == 16.0 and logged[-1]["hpx/gain"] > 2
+    assert logged[-1]["hpx/bar"] == pytest.approx(f.history[-1].metrics["bar"])  # what the gain cleared
     assert logged[0]["hpx/probe_loss/16x"] == pytest.approx(f.history[0].scores[-1])
 
 
