@@ -8,6 +8,7 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from hpx.sync_record import SyncRecord
 
@@ -134,10 +135,19 @@ def _forks_table(history: Sequence[SyncRecord], names: list[str], label: Callabl
         k = _kept(r)
         lr = f"{r.lr[k]:>12.5g}" if r.lr else f"{'-':>12}"
         scores = ", ".join(f"{name} {s:.4g}" for name, s in zip(_fork_labels(r), r.scores))
-        gain = f" (gain {r.metrics['gain']:.3g} standard errors)" if r.metrics and "gain" in r.metrics else ""
+        gain = _test_shown(r.metrics or {})
         lines.append(f"{r.step:>7}  {r.phase:>5}  {lr}  " + "  ".join(f"{r.bases[n]:>12.5g}" for n in names)
                      + f"  {scores}{gain}")
     return "\n".join(lines)
+
+
+def _test_shown(metrics: dict[str, Any]) -> str:
+    """The end's test as a row shows it: the challenger's gain, and the bar it had to clear (records
+    written before the bar was kept show the gain alone)."""
+    if "gain" not in metrics:
+        return ""
+    bar = f"; bar {metrics['bar']:.3g}" if "bar" in metrics else ""
+    return f" (gain {metrics['gain']:.3g} standard errors{bar})"
 
 
 def _labeller(history: Sequence[SyncRecord]) -> Callable[[str], str]:

@@ -88,7 +88,19 @@ def test_a_forks_history_is_printed_decision_by_decision(forks_history):
     shown = [("1x", 0), ("0.1x", 1), ("10x", 4), ("1x, dropout 0.05", 5), ("1x, dropout 0.15", 6)]
     for name, i in shown:  # a knob is named where a fork moved it from your value
         assert f"{name} {first.scores[i]:.4g}" in lines[1]
-    assert f"(gain {forks_history[-1].metrics['gain']:.3g} standard errors)" in lines[-1]
+    end = forks_history[-1].metrics
+    assert f"(gain {end['gain']:.3g} standard errors; bar {end['bar']:.3g})" in lines[-1]
+
+
+def test_a_record_saved_before_the_bar_was_kept_shows_its_gain_alone(forks_history):
+    """A history written before ``metrics["bar"]`` (the gain alone) still reads, showing what it has."""
+    import dataclasses
+
+    old = [dataclasses.replace(r, metrics={"gain": r.metrics["gain"]} if r.metrics else None)
+           for r in forks_history]
+    last = hpx.format_history(old).splitlines()[-1]
+    assert last.endswith(f"(gain {old[-1].metrics['gain']:.3g} standard errors)")
+    assert "bar" not in last
 
 
 def test_a_forks_plot_shows_your_run_and_names_every_forks_probe_loss(forks_history, tmp_path, monkeypatch):
