@@ -25,9 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks import _store
-from benchmarks.lr.__main__ import (
-    STORED,
-)
+from benchmarks.lr.__main__ import STORED
 from benchmarks.lr.staged import _harmless, _within, beside, rows, study_set
 from benchmarks.lr.tasks import NINTH
 
